@@ -1,0 +1,32 @@
+"""Shared test helpers: relative error against float64 references, random inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybrax.core import relative_error
+
+# Tolerances on ||out - ref|| / ||ref|| by input dtype.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
+
+
+def assert_close(out: Any, ref: Any, tol: float, what: str = "output") -> float:
+    """Assert relative error <= tol for every leaf (NaN/inf in `out` always fails)."""
+    for index, (o, r) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True)):
+        o = np.asarray(jnp.asarray(o, jnp.float32) if jnp.asarray(o).dtype == jnp.bfloat16 else o)
+        assert o.shape == np.shape(r), f"{what}[{index}]: shape {o.shape} != reference {np.shape(r)}"
+        error = relative_error(o, r)
+        assert error <= tol, f"{what}[{index}]: relative error {error:.3e} > {tol:.1e}"
+    return error
+
+
+def normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32, scale: float = 1.0) -> jax.Array:
+    return (scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+
+
+def to64(x: Any) -> np.ndarray | None:
+    return None if x is None else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
