@@ -126,3 +126,11 @@ def test_cache_key_depends_on_shape_dtype_and_static():
 
 def test_registry_lists_toy():
     assert {i.name for i in implementations(OP_ID)} == {"xla:plain", "xla:custom_vjp", "pallas:wrong"}
+
+
+def test_stale_persistent_entry_is_ignored(tmp_path):
+    x, w = _inputs()
+    cache = PersistentCache(tmp_path)
+    inv = Toy().invocation(Toy().prepare(x, w))
+    cache.put(OP_ID, inv.key, {"cfg": {"platform": "xla", "backend": "removed_long_ago"}})
+    assert Executor(persistent_cache=cache).select_config(Toy(), inv).backend == "plain"

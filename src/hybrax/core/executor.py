@@ -41,9 +41,15 @@ class Executor:
         return kernel.execute(problem, self.select_config(kernel, inv, cfg))
 
     def _load(self, kernel: Kernel, entry: dict[str, Any] | None) -> KernelConfig | None:
+        """The cached config, or None when absent or naming an implementation that no longer exists."""
         if entry is None:
             return None
-        return kernel.config_type.from_dict(entry["cfg"])
+        cfg = kernel.config_type.from_dict(entry["cfg"])
+        try:
+            kernel.get_impl(cfg)
+        except ValueError:
+            return None
+        return cfg
 
     def select_config(self, kernel: Kernel, inv: Invocation, cfg: KernelConfig | None = None) -> KernelConfig:
         if cfg is not None:
