@@ -1,0 +1,78 @@
+"""KDA chunked forward on the GPU with Pallas (Triton lowering): the three stages end to end.
+
+    stage 1  pallas_chunk_intra   gate cumsum, A_kk and its inverse, w, u, kg, qg, A_qk (per chunk)
+    stage 2  pallas_chunk_state   the state pass, state on chip, serial over chunks
+    stage 3  pallas_chunk_output  o = qg h + A_qk v_new (per chunk)
+
+This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
+>= 16; zero keys, values, gates and betas leave the state untouched) and crops the results.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
+from hybrax.ops.kda.pallas_chunk_output import chunk_output
+from hybrax.ops.kda.pallas_chunk_state import chunk_state
+
+MIN_TILE = 16
+
+
+def _tile(size: int) -> int:
+    """The smallest power of two >= max(size, 16): Triton tiles are powers of two, dots >= 16."""
+    return max(MIN_TILE, 1 << (size - 1).bit_length())
+
+
+def _pad_to(x: jax.Array | None, sizes: dict[int, int]) -> jax.Array | None:
+    if x is None:
+        return None
+    widths = [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)]
+    return jnp.pad(x, widths) if any(w for _, w in widths) else x
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "interpret")
+)
+def kda_chunk_fwd(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    g: Float[Array, "B T HV K"],
+    beta: Float[Array, "B T HV"],
+    initial_state: Float[Array, "B HV K V"] | None = None,
+    *,
+    scale: float,
+    l2_normalize: bool = True,
+    chunk: int = 64,
+    block_v: int = 32,
+    state_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
+    """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32).
+
+    g is the per-channel log decay (<= 0), beta the update strength (already through its
+    sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H.
+    """
+    length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
+    padded_length = -(-length // chunk) * chunk
+    kp, vp = _tile(dk), _tile(dv)
+    dtype = v.dtype
+    q, k = (_pad_to(x.astype(dtype), {1: padded_length, 3: kp}) for x in (q, k))
+    v = _pad_to(v, {1: padded_length, 3: vp})
+    g = _pad_to(g.astype(jnp.float32), {1: padded_length, 3: kp})
+    beta = _pad_to(beta.astype(jnp.float32), {1: padded_length})
+    initial_state = _pad_to(initial_state, {2: kp, 3: vp})
+
+    w, u, kg, qg, aqk, decay = chunk_intra(
+        q, k, v, g, beta, scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=interpret
+    )
+    h, v_new, final_state = chunk_state(
+        w, u, kg, decay, initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps, interpret=interpret
+    )
+    o = chunk_output(qg, h, aqk, v_new, chunk=chunk, interpret=interpret)
+    return o[:, :length, :, :dv], final_state[:, :, :dk, :dv]
