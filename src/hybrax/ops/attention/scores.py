@@ -1,0 +1,114 @@
+"""The score tile shared by both XLA implementations: logits, visibility and dropout of the queries
+at positions `q_pos` against the keys at `k_pos`.
+
+The direct implementation calls these on the whole range, the blockwise one tile by tile, so both
+compute the same math and draw the same dropout mask. Tiles are laid out [B, K, G, q, k]
+(batch, kv head, query head within the group, query, key).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from hybrax.ops.attention.api import AttentionProblem
+from hybrax.ops.attention.mask import PADDING_SEGMENT
+
+
+def precision(dtype: jnp.dtype) -> jax.lax.Precision:
+    # fp32 inputs must not be multiplied in reduced precision (tf32 / bf16 passes on GPUs).
+    wide = jnp.dtype(dtype).itemsize >= 4
+    return jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT
+
+
+def accumulation_dtype(p: AttentionProblem) -> jnp.dtype:
+    return jnp.promote_types(p.dtype, jnp.float32)
+
+
+def logits(
+    p: AttentionProblem,
+    q: Float[Array, "B q K G D"],
+    k: Float[Array, "B k K D"],
+    bias: Float[Array, "Bb Kb Gb q k"] | None,
+) -> Float[Array, "B K G q k"]:
+    """cap(scale * q k^T + bias) in the softmax dtype."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=p.softmax_dtype,
+                   precision=precision(p.dtype))
+    s = s * jnp.asarray(p.softmax_scale, p.softmax_dtype)
+    if bias is not None:
+        s = s + bias
+    if p.logits_soft_cap is not None:
+        cap = jnp.asarray(p.logits_soft_cap, p.softmax_dtype)
+        s = cap * jnp.tanh(s / cap)
+    return s
+
+
+def soft_cap_slope(p: AttentionProblem, logits: Float[Array, "*tile"]) -> Float[Array, "*tile"] | float:
+    """d cap(x) / dx from the capped logits: 1 - tanh^2 = 1 - (logits / cap)^2."""
+    if p.logits_soft_cap is None:
+        return 1.0
+    return 1.0 - jnp.square(logits / jnp.asarray(p.logits_soft_cap, logits.dtype))
+
+
+def visible(
+    p: AttentionProblem,
+    q_pos: Int[Array, "q"],
+    k_pos: Int[Array, "k"],
+    mask: Bool[Array, "Bm Km Gm q k"] | None,
+    q_segment_ids: Int[Array, "B q"] | None,
+    kv_segment_ids: Int[Array, "B k"] | None,
+) -> Bool[Array, "Bv Kv Gv q k"]:
+    """Which keys each query sees; positions past the real lengths (tile padding) see nothing."""
+    q_len, kv_len = p.query.shape[1], p.key.shape[1]
+    aligned = (q_pos + (kv_len - q_len))[:, None]  # bottom-right: the last query meets the last key
+    j = k_pos[None, :]
+    seen = (q_pos[:, None] < q_len) & (j < kv_len)
+    if p.window_left is not None:
+        seen = seen & (j >= aligned - p.window_left)
+    if p.window_right is not None:
+        seen = seen & (j <= aligned + p.window_right)
+    seen = seen[None, None, None]
+    if q_segment_ids is not None:
+        same = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]) & (
+            q_segment_ids[:, :, None] != PADDING_SEGMENT)
+        seen = seen & same[:, None, None]
+    if mask is not None:
+        seen = seen & mask
+    return seen
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A 32-bit integer finalizer (lowbias32): every input bit flips each output bit with p ~ 1/2."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _coordinate(index: jax.Array) -> jax.Array:
+    return _mix(index.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
+
+
+def dropout_keep(
+    p: AttentionProblem, q_pos: Int[Array, "q"], k_pos: Int[Array, "k"]
+) -> Bool[Array, "B K G q k"]:
+    """Keep mask of dropout: a counter-based hash of (seed, batch, head, query, key), so any tiling
+    draws the same mask and the backward pass recomputes it instead of storing it."""
+    batch, _, num_kv_heads, group, _ = p.query.shape
+    heads = jnp.arange(num_kv_heads * group).reshape(num_kv_heads, group)
+    x = _mix(p.dropout_seed[0] ^ _coordinate(p.dropout_seed[1]))
+    x = _mix(x ^ _coordinate(jnp.arange(batch))[:, None, None, None, None])
+    x = _mix(x ^ _coordinate(heads)[None, :, :, None, None])
+    x = _mix(x ^ _coordinate(q_pos)[:, None])
+    x = _mix(x ^ _coordinate(k_pos))
+    threshold = min(round((1.0 - p.dropout_prob) * 2**32), 2**32 - 1)
+    return x < jnp.uint32(threshold)
+
+
+def apply_dropout(p: AttentionProblem, weights: jax.Array, keep: jax.Array | None) -> jax.Array:
+    """Zero the dropped weights and scale the kept ones by 1 / (1 - dropout_prob)."""
+    if keep is None:
+        return weights
+    return jnp.where(keep, weights / jnp.asarray(1.0 - p.dropout_prob, weights.dtype), 0)
