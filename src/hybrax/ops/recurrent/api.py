@@ -1,17 +1,231 @@
-"""Placeholder until recurrent attention lands (issue 3)."""
+"""`recurrent_attention`: gated linear recurrent attention (seed 001).
+
+Per head, with the state S of shape [K, V] in fp32:
+    S_t = S_{t-1} * exp(g_t) * exp(g_gamma) * exp(gk_t)[:, None] * exp(gv_t)[None, :] + k_t v_t^T
+    o_t = S_t^T (softmax_scale * q_t)
+`prepare` resolves everything that changes the math once: the gate forms are folded into a per-head
+scalar gate (g [B,T,H] plus g_gamma) and a key-axis gate (g [B,T,H,K] plus gk), `reverse` becomes a
+flip of the time axis (and of the sequence order for packed batches), undone in `finalize`.
+Implementations (xla_scan.py, xla_chunked.py) see a forward-time problem only.
+"""
+
+from __future__ import annotations
+
 import dataclasses
-from hybrax.core import Kernel, KernelConfig
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclass, static_field
+from hybrax.core.kernel import Invocation
+from hybrax.core.validate import (
+    check_divides,
+    check_floating,
+    check_integer,
+    check_rank,
+    check_shape,
+    describe,
+)
+from hybrax.ops.recurrent import varlen
+
+OP_ID = "recurrent_attention"
+# Below this length the per-step scan beats the chunked algorithm's setup (and decoding is T=1).
+CHUNKED_MIN_SEQ_LEN = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentAttentionConfig(KernelConfig):
-    pass
+    """`chunk_size`: tokens per chunk of the chunked backend (the scan has no knob)."""
+
+    chunk_size: int = 64
 
 
-class RecurrentAttention(Kernel):
-    op_id = "recurrent_attention"
+@problem_dataclass
+class RecurrentProblem:
+    """Forward-time canonical problem; key/value keep their num_kv_heads (GQA)."""
+
+    query: jax.Array  # [B,T,H,K]
+    key: jax.Array  # [B,T,HKV,K]
+    value: jax.Array  # [B,T,HKV,V]
+    g_scalar: jax.Array | None  # [B,T,H]: g given per head, plus g_gamma
+    g_key: jax.Array | None  # [B,T,H,K]: g given per key channel, plus gk
+    g_value: jax.Array | None  # [B,T,H,V]
+    initial_state: jax.Array | None  # [B,H,K,V], or [N,H,K,V] with cu_seqlens
+    cu_seqlens: jax.Array | None  # [N+1]
+    scale: float = static_field()
+    reverse: bool = static_field(False)
+    return_state: bool = static_field(False)
+
+
+def _add(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b
+
+
+def _check_cu_seqlens(cu_seqlens: Any, batch: int, seq_len: int) -> None:
+    check_integer("cu_seqlens", cu_seqlens)
+    check_rank("cu_seqlens", cu_seqlens, 1, "[num_seqs + 1]")
+    if jnp.shape(cu_seqlens)[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape [num_seqs + 1] with num_seqs >= 1, got {describe(jnp.shape(cu_seqlens))}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences into batch 1, but query has batch {batch}")
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        return  # values are only known at run time
+    values = np.asarray(cu_seqlens).tolist()
+    if values[0] != 0 or values[-1] != seq_len or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to seq_len ({seq_len}) without decreasing, got {values}")
+
+
+def _check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_dim) -> None:
+    if g is not None:
+        check_floating("g", g)
+        if tuple(jnp.shape(g)) not in ((batch, seq_len, num_heads), (batch, seq_len, num_heads, key_dim)):
+            raise ValueError(
+                f"g must have shape [batch, seq_len, num_heads] = {describe((batch, seq_len, num_heads))} or "
+                f"[batch, seq_len, num_heads, head_dim] = {describe((batch, seq_len, num_heads, key_dim))}, "
+                f"got {describe(jnp.shape(g))}"
+            )
+    if g_gamma is not None:
+        check_floating("g_gamma", g_gamma)
+        if tuple(jnp.shape(g_gamma)) not in ((num_heads,), (batch, num_heads)):
+            raise ValueError(
+                f"g_gamma must have shape [num_heads] = [{num_heads}] or [batch, num_heads] = "
+                f"{describe((batch, num_heads))}, got {describe(jnp.shape(g_gamma))}"
+            )
+    if gk is not None:
+        check_floating("gk", gk)
+        check_shape("gk", gk, (batch, seq_len, num_heads, key_dim), "[batch, seq_len, num_heads, head_dim]")
+    if gv is not None:
+        check_floating("gv", gv)
+        check_shape("gv", gv, (batch, seq_len, num_heads, value_dim), "[batch, seq_len, num_heads, v_head_dim]")
+
+
+def _reverse_time(problem: RecurrentProblem) -> RecurrentProblem:
+    """The same problem read from t = T-1 down to 0; sequence n of a packed batch becomes N-1-n."""
+    flip = lambda x: None if x is None else jnp.flip(x, 1)  # noqa: E731
+    cu, h0 = problem.cu_seqlens, problem.initial_state
+    if cu is not None:
+        h0 = None if h0 is None else jnp.flip(h0, 0)
+        cu = varlen.reversed_cu_seqlens(cu, problem.query.shape[1])
+    return dataclasses.replace(
+        problem,
+        query=flip(problem.query), key=flip(problem.key), value=flip(problem.value),
+        g_scalar=flip(problem.g_scalar), g_key=flip(problem.g_key), g_value=flip(problem.g_value),
+        initial_state=h0, cu_seqlens=cu,
+    )
+
+
+class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
+    op_id = OP_ID
     config_type = RecurrentAttentionConfig
 
+    def prepare(
+        self, query, key, value, g=None, g_gamma=None, gk=None, gv=None, initial_state=None, cu_seqlens=None,
+        *, softmax_scale=None, reverse=False, return_state=False,
+    ) -> RecurrentProblem:
+        for name, array in (("query", query), ("key", key), ("value", value)):
+            check_floating(name, array)
+            check_rank(name, array, 4, "[batch, seq_len, heads, head_dim]")
+        batch, seq_len, num_heads, key_dim = jnp.shape(query)
+        if seq_len < 1:
+            raise ValueError(f"query must have seq_len >= 1, got shape {describe(jnp.shape(query))}")
+        check_shape("key", key, (batch, seq_len, None, key_dim), "[batch, seq_len, num_kv_heads, head_dim]")
+        num_kv_heads = jnp.shape(key)[2]
+        check_divides("num_kv_heads of key", num_kv_heads, "num_heads of query", num_heads)
+        check_shape("value", value, (batch, seq_len, num_kv_heads, None), "[batch, seq_len, num_kv_heads, v_head_dim]")
+        value_dim = jnp.shape(value)[3]
+        _check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_dim)
+        num_states = batch
+        if cu_seqlens is not None:
+            _check_cu_seqlens(cu_seqlens, batch, seq_len)
+            num_states = jnp.shape(cu_seqlens)[0] - 1
+        if initial_state is not None:
+            check_floating("initial_state", initial_state)
+            layout = "[num_seqs, num_heads, head_dim, v_head_dim]" if cu_seqlens is not None else (
+                "[batch, num_heads, head_dim, v_head_dim]")
+            check_shape("initial_state", initial_state, (num_states, num_heads, key_dim, value_dim), layout)
+        g_scalar = g if g is not None and jnp.ndim(g) == 3 else None
+        if g_gamma is not None:
+            gamma = jnp.broadcast_to(g_gamma, (batch, num_heads))
+            g_scalar = _add(g_scalar, jnp.broadcast_to(gamma[:, None, :], (batch, seq_len, num_heads)))
+        problem = RecurrentProblem(
+            query=query, key=key, value=value,
+            g_scalar=g_scalar,
+            g_key=_add(g if g is not None and jnp.ndim(g) == 4 else None, gk),
+            g_value=gv,
+            initial_state=initial_state,
+            cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32),
+            scale=float(key_dim**-0.5 if softmax_scale is None else softmax_scale),
+            reverse=bool(reverse),
+            return_state=bool(return_state),
+        )
+        return _reverse_time(problem) if reverse else problem
 
-def recurrent_attention(*args, **kwargs):
-    raise NotImplementedError("recurrent_attention")
+    def finalize(self, problem: RecurrentProblem, result: tuple[jax.Array, jax.Array]) -> Any:
+        output, final_state = result
+        if problem.reverse:
+            output = jnp.flip(output, 1)
+            if problem.cu_seqlens is not None:
+                final_state = jnp.flip(final_state, 0)
+        return (output, final_state) if problem.return_state else output
+
+    def heuristic_cfg(self, inv: Invocation) -> RecurrentAttentionConfig:
+        backend = "chunked" if inv.arrays["query"].shape[1] >= CHUNKED_MIN_SEQ_LEN else "scan"
+        for impl in self.implementations(inv):
+            if impl.backend == backend:
+                return impl.heuristic_cfg(inv)
+        return super().heuristic_cfg(inv)
+
+    def autotune_problem(self, inv: Invocation, rng: jax.Array) -> RecurrentProblem:
+        """Random inputs with decaying gates (log-sigmoid) and equal-length packed sequences."""
+        problem = super().autotune_problem(inv, rng)
+        decaying = {
+            name: jax.nn.log_sigmoid(getattr(problem, name) + 3.0)
+            for name in ("g_scalar", "g_key", "g_value")
+            if getattr(problem, name) is not None
+        }
+        if problem.cu_seqlens is not None:
+            num_seqs = problem.cu_seqlens.shape[0] - 1
+            seq_len = problem.query.shape[1]
+            decaying["cu_seqlens"] = (jnp.arange(num_seqs + 1) * seq_len // num_seqs).astype(jnp.int32)
+        return dataclasses.replace(problem, **decaying)
+
+
+def recurrent_attention(
+    query: Float[Array, "batch seq_len num_heads head_dim"],
+    key: Float[Array, "batch seq_len num_kv_heads head_dim"],
+    value: Float[Array, "batch seq_len num_kv_heads v_head_dim"],
+    g: Float[Array, "batch seq_len num_heads"] | Float[Array, "batch seq_len num_heads head_dim"] | None = None,
+    g_gamma: Float[Array, "num_heads"] | Float[Array, "batch num_heads"] | None = None,
+    gk: Float[Array, "batch seq_len num_heads head_dim"] | None = None,
+    gv: Float[Array, "batch seq_len num_heads v_head_dim"] | None = None,
+    initial_state: Float[Array, "num_states num_heads head_dim v_head_dim"] | None = None,
+    cu_seqlens: Int[Array, "num_seqs_plus_one"] | None = None,
+    /,
+    *,
+    softmax_scale: float | None = None,
+    reverse: bool = False,
+    return_state: bool = False,
+    platform: str | None = None,
+    cfg: RecurrentAttentionConfig | None = None,
+) -> Float[Array, "batch seq_len num_heads v_head_dim"] | tuple[
+    Float[Array, "batch seq_len num_heads v_head_dim"], Float[Array, "num_states num_heads head_dim v_head_dim"]
+]:
+    """Gated linear recurrent attention; see the module docstring for the recurrence.
+
+    All gates are log decays (any subset may be given). With `cu_seqlens` ([N+1], batch 1) the batch
+    packs N sequences, each starting from `initial_state[n]` and ending in `final_state[n]`.
+    Returns the output in the query's dtype, and with `return_state` also the fp32 final states.
+    """
+    return default_executor()(
+        RecurrentAttention(), query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens,
+        softmax_scale=softmax_scale, reverse=reverse, return_state=return_state, platform=platform, cfg=cfg,
+    )
+
+
+# Backends register themselves on import.
+from hybrax.ops.recurrent import xla_chunked, xla_scan  # noqa: E402, F401

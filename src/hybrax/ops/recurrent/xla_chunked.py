@@ -1,0 +1,220 @@
+"""The chunked backend: matmuls inside chunks of C tokens, the [K, V] state passed from chunk to chunk.
+
+Numerical safety: every exponent is a sum of log gates over a stretch of tokens that lies between the
+two positions it relates, summed directly (never a difference of long cumulative sums), so decaying
+gates give only exponents <= 0 and gates of -1000 give exact zeros instead of inf * 0.
+- Inter-chunk: token i reads the incoming state through exp(sum of gates from the chunk start to i);
+  token j enters the outgoing state through exp(sum of gates after j to the chunk end).
+- Intra-chunk with per-channel gates: the chunk is split in halves recursively (log2 C levels). For a
+  pair of neighbouring blocks, the later block's queries are scaled by exp(gates from the blocks' seam
+  to i) and the earlier block's keys by exp(gates from j to the seam): both factors are <= 1, their
+  product is the exact decay from j to i, and each block pair is one matmul. The diagonal (i = j) is
+  undecayed. Every pair j < i is covered at exactly one level.
+- Intra-chunk with a per-head scalar gate only: one [C, C] score matrix times the pairwise decay
+  exp(sum_{t=j+1..i} g_t), itself a masked cumulative sum.
+Packed sequences (`cu_seqlens`) are laid out so that each one starts on a chunk boundary (at most
+N*(C-1) padding tokens in all); the state is reset to the sequence's initial state at its first chunk.
+Padding tokens have zero keys, values and log gates, so they leave the state unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hybrax.core import register
+from hybrax.ops.recurrent import varlen
+from hybrax.ops.recurrent.api import OP_ID, RecurrentAttentionConfig
+from hybrax.ops.recurrent.engine import decay_state, forward, vjp_rules
+
+CHUNK_SIZES = (16, 32, 64, 128)
+
+
+def _exp(log: jax.Array | None) -> jax.Array | None:
+    return None if log is None else jnp.exp(log)
+
+
+def _times(x: jax.Array, factor: jax.Array | None) -> jax.Array:
+    return x if factor is None else x * factor
+
+
+def _block_sums(log: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Within blocks of `block` tokens along axis -2: (sum of gates up to and including t, sum after t)."""
+    shape = log.shape
+    blocks = log.reshape(shape[:-2] + (shape[-2] // block, block, shape[-1]))
+    upto = jnp.cumsum(blocks, axis=-2)
+    from_here = jax.lax.cumsum(blocks, axis=blocks.ndim - 2, reverse=True)
+    after = jnp.concatenate([from_here[..., 1:, :], jnp.zeros_like(from_here[..., :1, :])], axis=-2)
+    return upto.reshape(shape), after.reshape(shape)
+
+
+def _block_pair_level(q, k, v, log_k, log_v, half: int) -> jax.Array:
+    """Contribution of earlier-half keys j to later-half queries i, for blocks of 2*half tokens."""
+    chunk = q.shape[-2]
+
+    def split(x):  # [..., C, D] -> [..., C / (2 half), 2 (earlier, later), half, D]
+        return x.reshape(x.shape[:-2] + (chunk // (2 * half), 2, half, x.shape[-1]))
+
+    def earlier(x):
+        return split(x)[..., 0, :, :]
+
+    def later(x):
+        return split(x)[..., 1, :, :]
+
+    q_later, k_earlier, v_earlier, out_scale = later(q), earlier(k), earlier(v), None
+    if log_k is not None:
+        upto, after = _block_sums(log_k, half)
+        q_later, k_earlier = q_later * jnp.exp(later(upto)), k_earlier * jnp.exp(earlier(after))
+    if log_v is not None:
+        upto, after = _block_sums(log_v, half)
+        v_earlier, out_scale = v_earlier * jnp.exp(earlier(after)), jnp.exp(later(upto))
+    scores = jnp.einsum("...ik,...jk->...ij", q_later, k_earlier)
+    out_later = _times(jnp.einsum("...ij,...jv->...iv", scores, v_earlier), out_scale)
+    both = jnp.stack([jnp.zeros_like(out_later), out_later], axis=-3)
+    return both.reshape(q.shape[:-1] + (v.shape[-1],))
+
+
+def _intra_per_channel(q, k, v, log_k, log_v) -> jax.Array:
+    out = jnp.einsum("...ck,...ck->...c", q, k)[..., None] * v
+    half = q.shape[-2] // 2
+    while half >= 1:
+        out = out + _block_pair_level(q, k, v, log_k, log_v, half)
+        half //= 2
+    return out
+
+
+def _intra_scalar(q, k, v, log: jax.Array | None) -> jax.Array:
+    """log: [..., C, 1] or None."""
+    chunk = q.shape[-2]
+    scores = jnp.einsum("...ik,...jk->...ij", q, k)
+    causal = jnp.tri(chunk, dtype=bool)
+    if log is None:
+        return jnp.einsum("...ij,...jv->...iv", jnp.where(causal, scores, 0), v)
+    strictly_later = jnp.tri(chunk, k=-1, dtype=bool)
+    # pairwise[i, j] = sum of the gates of tokens j+1 .. i
+    pairwise = jnp.cumsum(jnp.where(strictly_later, log[..., :, :], 0), axis=-2)
+    return jnp.einsum("...ij,...jv->...iv", scores * jnp.where(causal, jnp.exp(pairwise), 0), v)
+
+
+class _Packed(NamedTuple):
+    """Where packed tokens and sequences sit once every sequence starts on a chunk boundary."""
+
+    position: jax.Array  # [T] padded index of each token
+    chunk_seq: jax.Array  # [Nc] sequence of each chunk
+    reset: jax.Array  # [Nc] whether the chunk starts its sequence
+    last_chunk: jax.Array  # [N]
+    nonempty: jax.Array  # [N]
+    num_chunks: int
+
+
+def _packed_layout(cu_seqlens: jax.Array, seq_len: int, chunk: int) -> _Packed:
+    num_seqs = cu_seqlens.shape[0] - 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    first_chunk = jnp.concatenate([jnp.zeros((1,), lengths.dtype), jnp.cumsum((lengths + chunk - 1) // chunk)])
+    num_chunks = (seq_len + num_seqs * (chunk - 1)) // chunk  # bounds sum_n ceil(L_n / C)
+    seq, _ = varlen.token_segments(cu_seqlens, seq_len)
+    position = first_chunk[seq] * chunk + jnp.arange(seq_len) - cu_seqlens[seq]
+    chunks = jnp.arange(num_chunks)
+    chunk_seq = jnp.clip(jnp.searchsorted(first_chunk, chunks, side="right") - 1, 0, num_seqs - 1)
+    reset = (chunks == first_chunk[chunk_seq]) & (chunks < first_chunk[-1])
+    last_chunk = jnp.clip(first_chunk[1:] - 1, 0, num_chunks - 1)
+    return _Packed(position, chunk_seq, reset, last_chunk, lengths > 0, num_chunks)
+
+
+def _to_chunks(x: jax.Array | None, chunk: int, packed: _Packed | None) -> jax.Array | None:
+    """[B,T,H,D] -> [B,H,Nc,C,D], zero-padded."""
+    if x is None:
+        return None
+    batch, seq_len, heads, dim = x.shape
+    if packed is None:
+        num_chunks = -(-seq_len // chunk)
+        x = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - seq_len), (0, 0), (0, 0)))
+    else:
+        num_chunks = packed.num_chunks
+        x = jnp.zeros((1, num_chunks * chunk, heads, dim), x.dtype).at[0, packed.position].set(x[0])
+    return x.reshape(batch, num_chunks, chunk, heads, dim).transpose(0, 3, 1, 2, 4)
+
+
+def _from_chunks(x: jax.Array, seq_len: int, packed: _Packed | None) -> jax.Array:
+    batch, heads, num_chunks, chunk, dim = x.shape
+    x = x.transpose(0, 2, 3, 1, 4).reshape(batch, num_chunks * chunk, heads, dim)
+    return x[:, :seq_len] if packed is None else x[:, packed.position]
+
+
+def _pass_states(local, decay_k, decay_v, h0, packed: _Packed | None):
+    """(state entering each chunk [B,H,Nc,K,V], final states) from each chunk's own contribution `local`."""
+    batch, heads, _, key_dim, value_dim = local.shape
+    chunk_axis_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)  # noqa: E731
+    xs = tuple(map(chunk_axis_first, (local, decay_k, decay_v)))
+    if packed is None:
+        start = jnp.zeros((batch, heads, key_dim, value_dim), local.dtype) if h0 is None else h0
+        resets = None
+    else:
+        h0 = jnp.zeros((packed.nonempty.shape[0], heads, key_dim, value_dim), local.dtype) if h0 is None else h0
+        start = jnp.zeros((1, heads, key_dim, value_dim), local.dtype)
+        resets = (packed.reset, h0[packed.chunk_seq][:, None])
+
+    def step(state, x):
+        (local_c, decay_k_c, decay_v_c), reset = x[:3], x[3]
+        if reset is not None:
+            state = jnp.where(reset[0], reset[1], state)
+        return decay_state(state, decay_k_c, decay_v_c) + local_c, state
+
+    final, entering = jax.lax.scan(step, start, (*xs, resets))
+    entering = jnp.moveaxis(entering, 0, 2)
+    if packed is None:
+        return entering, final
+    last = packed.last_chunk
+    pick = lambda x: None if x is None else jnp.moveaxis(x[0], 1, 0)[last]  # noqa: E731  [N,H,...]
+    after_last = decay_state(pick(entering), pick(decay_k), pick(decay_v)) + pick(local)
+    return entering, jnp.where(packed.nonempty[:, None, None, None], after_last, h0)
+
+
+def _normalize_sides(log_k, log_v):
+    """A per-head scalar gate belongs on the key axis (the cheap scalar path), whichever side it came on."""
+    if log_v is not None and log_v.shape[-1] == 1:
+        return (log_v if log_k is None else log_k + log_v), None
+    return log_k, log_v
+
+
+def chunked_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAttentionConfig):
+    """The engine contract of `engine.py`: (o [B,T,H,V], final state)."""
+    chunk = cfg.chunk_size
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk}")
+    seq_len = q.shape[1]
+    log_k, log_v = _normalize_sides(log_k, log_v)
+    packed = None if cu_seqlens is None else _packed_layout(cu_seqlens, seq_len, chunk)
+    q, k, v, log_k, log_v = (_to_chunks(x, chunk, packed) for x in (q, k, v, log_k, log_v))
+    if log_v is None and (log_k is None or log_k.shape[-1] == 1):
+        out = _intra_scalar(q, k, v, log_k)
+    else:
+        out = _intra_per_channel(q, k, v, log_k, log_v)
+    q_in, k_out, v_out, decay_k, decay_v, out_scale = q, k, v, None, None, None
+    if log_k is not None:
+        upto, after = _block_sums(log_k, chunk)
+        q_in, k_out, decay_k = q * jnp.exp(upto), k * jnp.exp(after), jnp.exp(upto[..., -1, :])
+    if log_v is not None:
+        upto, after = _block_sums(log_v, chunk)
+        v_out, decay_v, out_scale = v * jnp.exp(after), jnp.exp(upto[..., -1, :]), jnp.exp(upto)
+    local = jnp.einsum("...ck,...cv->...kv", k_out, v_out)
+    entering, final = _pass_states(local, decay_k, decay_v, h0, packed)
+    out = out + _times(jnp.einsum("...ck,...kv->...cv", q_in, entering), out_scale)
+    return _from_chunks(out, seq_len, packed), final
+
+
+def _heuristic(inv) -> RecurrentAttentionConfig:
+    seq_len = inv.arrays["query"].shape[1]
+    return RecurrentAttentionConfig(chunk_size=64 if seq_len >= 64 else 16)
+
+
+_fwd, _bwd = vjp_rules(chunked_recurrence)
+
+
+@register(OP_ID, "xla", "chunked", priority=2, heuristic_cfg=_heuristic,
+          candidate_cfgs=lambda inv: [RecurrentAttentionConfig(chunk_size=c) for c in CHUNK_SIZES],
+          fwd=_fwd, bwd=_bwd)
+def chunked(problem, cfg: RecurrentAttentionConfig):
+    return forward(chunked_recurrence, problem, cfg)
