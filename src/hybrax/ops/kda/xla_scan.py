@@ -1,0 +1,118 @@
+"""KDA on XLA, token by token: the recurrent scan (O(1) state memory in the forward) and the direct
+single step for T == 1 (decode with a state, no padding to a chunk).
+
+Gradients come from autodiff through the scan (which keeps each step's state for the backward);
+the chunked implementation is the one for training.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hybrax.core import Invocation, register
+from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.reference import L2_EPS
+
+EXACT = lax.Precision.HIGHEST
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def value_head_qk(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
+    """q and k in fp32, L2-normalized when asked, repeated to [B, T, HV, K] (one per value head)."""
+    group = problem.v.shape[2] // problem.q.shape[2]
+    q, k = (x.astype(jnp.float32) for x in (problem.q, problem.k))
+    if problem.use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2)
+
+
+def delta_step(
+    state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """One token: state [..., K, V]; q, k [..., K]; v [..., V]; beta [...]; decay [..., K] or [..., 1].
+    Returns (o [..., V], new state)."""
+    state = state * jnp.exp(decay)[..., None]
+    error = v - jnp.einsum("...kv,...k->...v", state, k, precision=EXACT)
+    state = state + k[..., :, None] * (beta[..., None] * error)[..., None, :]
+    return jnp.einsum("...kv,...k->...v", state, scale * q, precision=EXACT), state
+
+
+def _initial_states(problem: KdaProblem) -> jax.Array:
+    if problem.initial_state is None:
+        return jnp.zeros(problem.state_shape, jnp.float32)
+    return problem.initial_state
+
+
+def _time_major(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(jnp.moveaxis(x, 1, 0) for x in arrays)
+
+
+def _dense_scan(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
+    """B independent sequences of T tokens: scan over time, batch and heads vectorized."""
+    q, k = value_head_qk(problem)
+    xs = _time_major(q, k, problem.v.astype(jnp.float32), problem.beta, problem.decay)
+
+    def body(state, token):
+        o, state = delta_step(state, *token, problem.scale)
+        return state, o
+
+    final, o = lax.scan(body, _initial_states(problem), xs)
+    return jnp.moveaxis(o, 0, 1), final
+
+
+def _packed_scan(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
+    """Packed sequences (batch of one): the state restarts from sequence n's initial state at its
+    first token and is stored as its final state at its last; empty sequences keep their initial state."""
+    length = problem.q.shape[1]
+    cu = problem.cu_seqlens
+    positions = jnp.arange(length, dtype=jnp.int32)
+    sequence = jnp.searchsorted(cu, positions, side="right").astype(jnp.int32) - 1  # N past the end
+    inside = sequence < problem.num_sequences
+    sequence = jnp.minimum(sequence, problem.num_sequences - 1)
+    first = inside & (positions == cu[sequence])
+    last = inside & (positions == cu[sequence + 1] - 1)
+    q, k = value_head_qk(problem)
+    tokens = tuple(x[0] for x in (q, k, problem.v.astype(jnp.float32), problem.beta, problem.decay))
+    initial = _initial_states(problem)
+
+    def body(carry, token):
+        state, finals = carry
+        index, is_first, is_last, *inputs = token
+        state = jnp.where(is_first, initial[index], state)
+        o, state = delta_step(state, *inputs, problem.scale)
+        finals = finals.at[index].set(jnp.where(is_last, state, finals[index]))
+        return (state, finals), o
+
+    (_, finals), o = lax.scan(body, (initial[0], initial), (sequence, first, last, *tokens))
+    return jnp.where(inside[:, None, None], o, 0.0)[None], finals
+
+
+@register(OP_ID, "xla", "scan", priority=10, heuristic_cfg=lambda inv: KernelDeltaAttentionConfig())
+def kda_scan(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
+    o, final = _dense_scan(problem) if problem.cu_seqlens is None else _packed_scan(problem)
+    return o.astype(problem.q.dtype), final
+
+
+def _supports_single_step(inv: Invocation) -> str | None:
+    if inv.arrays["q"].shape[1] != 1:
+        return "needs seq_len == 1"
+    if inv.arrays["cu_seqlens"] is not None:
+        return "needs no cu_seqlens"
+    return None
+
+
+@register(OP_ID, "xla", "single_step", priority=30, heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
+          supports=_supports_single_step)
+def kda_single_step(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
+    """T == 1: one delta step on the state, no scan and no chunk padding."""
+    q, k = value_head_qk(problem)
+    o, final = delta_step(
+        _initial_states(problem), q[:, 0], k[:, 0], problem.v[:, 0].astype(jnp.float32),
+        problem.beta[:, 0], problem.decay[:, 0], problem.scale,
+    )
+    return o[:, None].astype(problem.q.dtype), final
