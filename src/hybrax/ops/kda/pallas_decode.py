@@ -1,0 +1,242 @@
+"""KDA decode on the GPU with Pallas (Triton lowering): the fused recurrent step, state in place.
+
+Decode is memory-bound: each step reads and writes the fp32 state, B*HV*K*V*4 bytes each way, and
+everything else (q, k, v, gate, beta) is 1/V of that. So one program per (value block, value head,
+request) reads its [K, BV] state tile once, keeps it in registers for all of the request's tokens,
+and writes it once (per token when speculative decoding keeps every token's state):
+
+    q, k  <- L2-normalized (x / sqrt(sum x^2 + 1e-6)), q scaled
+    g     <- the fused gate, from the raw input:  activated (g is already the log decay)
+             softplus:  -exp(a_log) * softplus(g + dt_bias)          (Kimi Linear's released gate)
+             bounded:   lower_bound * sigmoid(exp(a_log) * (g + dt_bias))   (seed 003, fla's safe gate)
+    beta  <- sigmoid(beta) when it holds logits
+    S' = Diag(exp g) S;  S = S' + k (beta (v - S'^T k))^T;  o = S^T q
+
+The state is a whole-array ref aliased to the output (input_output_aliases), so rows no program
+names are never touched. With `slots` [B] int32 the state is a serving pool [num_slots, HV, K, V]
+(or V-first [num_slots, HV, V, K]) and request b works on row slots[b]; slot -1 marks a padded
+request, which reads nothing, writes nothing and outputs zeros. `token_slots` [B, T] (speculative
+decoding) names where the state after each token goes (-1: nowhere); the final state then goes
+nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, Int
+
+from hybrax.core import Invocation, register
+from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.xla_scan import kda_single_step
+
+GATES = ("activated", "softplus", "bounded")
+L2_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0  # softplus(x) == x in fp32 beyond it (fla's threshold)
+
+
+def _softplus(x: jax.Array) -> jax.Array:
+    return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+def _sigmoid(x: jax.Array) -> jax.Array:
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+    return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
+
+
+def _log_decay(raw, a_log_ref, dt_bias_ref, lower_bound, head, gate: str):
+    """The in-kernel copy of `gate.fused_gate` for one (token, value head): raw [K] or [1] -> [K] or [1]."""
+    if gate == "activated":
+        return raw
+    if dt_bias_ref is not None:
+        raw = raw + dt_bias_ref[head, :].astype(jnp.float32)
+    rate = 1.0 if a_log_ref is None else jnp.exp(a_log_ref[head].astype(jnp.float32))
+    if gate == "softplus":
+        return -rate * _softplus(raw)
+    return lower_bound * _sigmoid(rate * raw)
+
+
+def _decode_kernel(
+    scalars_ref, slots_ref, token_slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
+    state_in_ref, o_ref, state_ref, *, gate: str, beta_is_logits: bool, use_qk_l2norm: bool, v_first: bool,
+    block_v: int, group: int,
+):
+    del state_in_ref  # aliased to state_ref: read and written through it
+    j, head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tokens = v_ref.shape[1]
+    cols = pl.ds(j * block_v, block_v)
+    scale, lower_bound = scalars_ref[0], scalars_ref[1]
+    slot = b if slots_ref is None else slots_ref[b]
+    key_axis = 1 if v_first else 0
+
+    def along_keys(x):  # [K] -> broadcastable over the tile's key axis
+        return x[None, :] if v_first else x[:, None]
+
+    def along_values(x):  # [BV] -> broadcastable over the tile's value axis
+        return x[:, None] if v_first else x[None, :]
+
+    def tile(row):  # the program's view of one state row: [BV, K] V-first, [K, BV] K-first
+        return state_ref.at[row, head, cols, :] if v_first else state_ref.at[row, head, :, cols]
+
+    def token_step(t, state):
+        q = q_ref[b, t, head // group, :].astype(jnp.float32)
+        k = k_ref[b, t, head // group, :].astype(jnp.float32)
+        if use_qk_l2norm:
+            q, k = _l2_normalize(q), _l2_normalize(k)
+        decay = _log_decay(g_ref[b, t, head, :].astype(jnp.float32), a_log_ref, dt_bias_ref, lower_bound, head, gate)
+        beta = beta_ref[b, t, head].astype(jnp.float32)
+        beta = _sigmoid(beta) if beta_is_logits else beta
+        state = state * along_keys(jnp.exp(decay))
+        error = v_ref[b, t, head, cols].astype(jnp.float32) - jnp.sum(state * along_keys(k), axis=key_axis)
+        state = state + along_keys(k) * along_values(beta * error)
+        o_ref[b, t, head, cols] = jnp.sum(state * along_keys(q * scale), axis=key_axis).astype(o_ref.dtype)
+        if token_slots_ref is not None:
+            target = token_slots_ref[b, t]
+
+            @pl.when(target >= 0)
+            def _():
+                tile(target)[...] = state
+
+        return state
+
+    @pl.when(slot >= 0)
+    def _():
+        final = lax.fori_loop(0, tokens, token_step, tile(slot)[...])
+        if token_slots_ref is None:
+            tile(slot)[...] = final
+
+    @pl.when(slot < 0)
+    def _():
+        def zero_output(t, carry):
+            o_ref[b, t, head, cols] = jnp.zeros((block_v,), o_ref.dtype)
+            return carry
+
+        lax.fori_loop(0, tokens, zero_output, 0)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "gate", "beta_is_logits", "use_qk_l2norm", "state_v_first", "block_v", "num_warps", "num_stages", "interpret",
+    ),
+)
+def fused_recurrent_decode(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    g: Float[Array, "B T HV Kg"],
+    beta: Float[Array, "B T HV"],
+    state: Float[Array, "S HV K V"],
+    slots: Int[Array, " B"] | None = None,
+    token_slots: Int[Array, "B T"] | None = None,
+    a_log: Float[Array, " HV"] | None = None,
+    dt_bias: Float[Array, "HV K"] | None = None,
+    *,
+    scale: Any,
+    lower_bound: Any = None,
+    gate: str = "activated",
+    beta_is_logits: bool = False,
+    use_qk_l2norm: bool = True,
+    state_v_first: bool = False,
+    block_v: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "S HV K V"]]:
+    """T tokens for each of B requests from the fp32 state; returns (o in q's dtype, the new state).
+
+    g [B, T, HV, K] (or [B, T, HV, 1]: one decay per head) is raw for the fused gates, the log decay
+    for `gate="activated"`; scale and lower_bound are numbers or one-element arrays. Without `slots`
+    the state is [B, HV, K, V] (request b owns row b); with them it is a pool (see the module doc).
+    K, V and block_v must be powers of two, block_v <= V; slots must be distinct among valid rows.
+    The state is updated in place when the caller donates it (or carries it through a loop).
+    """
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    batch, tokens, value_heads, dv = v.shape
+    block_v = min(block_v, dv)
+    scalars = jnp.stack([
+        jnp.asarray(scale, jnp.float32).reshape(()),
+        jnp.asarray(0.0 if lower_bound is None else lower_bound, jnp.float32).reshape(()),
+    ])
+    kernel = functools.partial(
+        _decode_kernel, gate=gate, beta_is_logits=beta_is_logits, use_qk_l2norm=use_qk_l2norm,
+        v_first=state_v_first, block_v=block_v, group=value_heads // q.shape[2],
+    )
+    arrays = (scalars, slots, token_slots, q, k, v, g, beta, a_log, dt_bias, state)
+    state_index = len(jax.tree.leaves(arrays)) - 1  # aliases count array leaves; the None slots hold none
+    return pl.pallas_call(
+        kernel,
+        grid=(dv // block_v, value_heads, batch),
+        out_shape=(jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+        input_output_aliases={state_index: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kda_fused_recurrent_decode",
+    )(*arrays)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def tile_reason(dk: int, dv: int) -> str | None:
+    """Why the kernel cannot take these head sizes (Triton tiles are powers of two), or None."""
+    if not (_is_power_of_two(dk) and _is_power_of_two(dv)) or dk > 256:
+        return f"needs K and V powers of two in [16, 256] (Triton tiles), got K={dk}, V={dv}"
+    return None
+
+
+def launch_params(rows: int, dv: int) -> dict[str, int]:
+    """block_v and num_warps for `rows` = requests x value heads (measured on the H200: BENCHMARKS.md)."""
+    return {"block_v": min(32, dv), "num_warps": 4}
+
+
+def interpret_here() -> bool:
+    """Pallas runs compiled on a GPU and in interpret mode anywhere else (the CPU tests)."""
+    return jax.default_backend() != "gpu"
+
+
+def _supports_single_token(inv: Invocation) -> str | None:
+    if inv.arrays["q"].shape[1] != 1:
+        return "needs seq_len == 1 (decode)"
+    if inv.arrays["cu_seqlens"] is not None:
+        return "needs no cu_seqlens"
+    return tile_reason(inv.arrays["q"].shape[3], inv.arrays["v"].shape[3])
+
+
+def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
+    batch, _, value_heads, dv = problem.v.shape
+    state = problem.initial_state
+    if state is None:
+        state = jnp.zeros(problem.state_shape, jnp.float32)
+    return fused_recurrent_decode(
+        problem.q, problem.k, problem.v, problem.decay, problem.beta, state, scale=problem.scale,
+        use_qk_l2norm=problem.use_qk_l2norm, interpret=interpret_here(), **launch_params(batch * value_heads, dv),
+    )
+
+
+def _single_token_fwd(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[Any, KdaProblem]:
+    return _single_token(problem, cfg), problem
+
+
+def _single_token_bwd(cfg: KernelDeltaAttentionConfig, problem: KdaProblem, ct: Any) -> KdaProblem:
+    """The gradient of the same step on XLA: decode needs no fast backward, training never lands here."""
+    _, pullback = jax.vjp(lambda p: kda_single_step(p, cfg), problem)
+    return pullback(ct)[0]
+
+
+# kernel_delta_attention's T == 1 path: above xla:single_step (30) on a GPU.
+register(
+    OP_ID, "pallas", "decode", priority=40, devices=("gpu",), supports=_supports_single_token,
+    heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), fwd=_single_token_fwd, bwd=_single_token_bwd,
+)(_single_token)

@@ -1,0 +1,170 @@
+"""The Pallas KDA decode kernel (interpret mode on the CPU) against the float64 reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrax import kernel_delta_attention
+from hybrax.ops.kda import pallas_decode, reference
+from hybrax.ops.kda.pallas_decode import fused_recurrent_decode
+from tests.helpers import TOLERANCE, assert_close, normal, to64
+
+B, H, HV, K, V = 3, 1, 2, 16, 32
+LOWER_BOUND = -5.0
+GATE_ARGS = {  # gate form -> reference keyword arguments besides a_log and dt_bias
+    "softplus": {},
+    "bounded": {"lower_bound": LOWER_BOUND},
+}
+
+
+def decode_inputs(seed, batch=B, tokens=1, dtype=jnp.float32, gate_width=K):
+    q = normal(seed, (batch, tokens, H, K), dtype)
+    k = normal(seed + 1, (batch, tokens, H, K), dtype)
+    v = normal(seed + 2, (batch, tokens, HV, V), dtype)
+    g = normal(seed + 3, (batch, tokens, HV, gate_width))
+    beta = normal(seed + 4, (batch, tokens, HV))
+    return q, k, v, g, beta
+
+
+def gate_params(seed):
+    return normal(seed, (HV,), scale=0.5), normal(seed + 1, (HV, K))
+
+
+def reference_steps(q, k, v, g, beta, state, gate, a_log=None, dt_bias=None):
+    """(o, final state) of the float64 reference; g raw for the fused gates, beta logits."""
+    kwargs = {}
+    if gate != "activated":
+        kwargs = {"a_log": to64(a_log), "dt_bias": to64(dt_bias), **GATE_ARGS[gate]}
+    return reference.kda_reference(
+        to64(q), to64(k), to64(v), to64(beta), to64(g), to64(state), beta_is_logits=True, **kwargs
+    )
+
+
+def run_kernel(q, k, v, g, beta, state, gate, a_log=None, dt_bias=None, **kwargs):
+    fused = {} if gate == "activated" else {"a_log": a_log, "dt_bias": dt_bias}
+    return fused_recurrent_decode(
+        q, k, v, g, beta, state, scale=K**-0.5, lower_bound=LOWER_BOUND if gate == "bounded" else None,
+        gate=gate, beta_is_logits=True, block_v=16, interpret=True, **fused, **kwargs,
+    )
+
+
+@pytest.mark.parametrize("gate", ["activated", "softplus", "bounded"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_steps_match_reference(gate, tokens):
+    q, k, v, g, beta = decode_inputs(10, tokens=tokens)
+    if gate == "activated":
+        g = jax.nn.log_sigmoid(g)
+    a_log, dt_bias = gate_params(20)
+    state = normal(30, (B, HV, K, V))
+    out = run_kernel(q, k, v, g, beta, state, gate, a_log, dt_bias)
+    assert_close(out, reference_steps(q, k, v, g, beta, state, gate, a_log, dt_bias), TOLERANCE[jnp.float32])
+
+
+def test_per_head_decay_and_bf16_inputs():
+    q, k, v, g, beta = decode_inputs(40, dtype=jnp.bfloat16, gate_width=1)
+    g = jax.nn.log_sigmoid(g)
+    state = normal(41, (B, HV, K, V))
+    o, new_state = run_kernel(q, k, v, g, beta, state, "activated")
+    assert o.dtype == jnp.bfloat16
+    ref_o, ref_state = reference_steps(q, k, v, g, beta, state, "activated")
+    assert_close(o, ref_o, TOLERANCE[jnp.bfloat16])
+    assert_close(new_state, ref_state, 1e-5, "state")  # fp32 arithmetic on bf16-exact inputs
+
+
+def test_chained_steps_equal_one_sequence():
+    """Eight decode calls, each feeding its state to the next, follow the whole sequence's reference."""
+    steps = 8
+    q, k, v, g, beta = decode_inputs(50, tokens=steps)
+    a_log, dt_bias = gate_params(51)
+    state = initial = normal(52, (B, HV, K, V))
+    outputs = []
+    for t in range(steps):
+        piece = slice(t, t + 1)
+        o, state = run_kernel(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], state,
+                              "bounded", a_log, dt_bias)
+        outputs.append(o)
+    ref_o, ref_state = reference_steps(q, k, v, g, beta, initial, "bounded", a_log, dt_bias)
+    assert_close((jnp.concatenate(outputs, axis=1), state), (ref_o, ref_state), TOLERANCE[jnp.float32])
+
+
+def as_pool(states, slots, num_slots, seed, v_first=False):
+    """A pool of random rows with states[b] at slots[b] (V-first: [slots, HV, V, K])."""
+    pool = np.array(normal(seed, (num_slots, HV, K, V)))
+    for b, slot in enumerate(slots):
+        if slot >= 0:
+            pool[slot] = states[b]
+    return jnp.asarray(np.swapaxes(pool, 2, 3) if v_first else pool)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_pool_slots_padding_and_untouched_rows(v_first):
+    slots = np.array([5, -1, 2], np.int32)
+    q, k, v, g, beta = decode_inputs(60)
+    a_log, dt_bias = gate_params(61)
+    states = normal(62, (B, HV, K, V))
+    pool = as_pool(np.asarray(states), slots, 7, 63, v_first)
+    o, new_pool = run_kernel(q, k, v, g, beta, pool, "softplus", a_log, dt_bias, slots=jnp.asarray(slots),
+                             state_v_first=v_first)
+    ref_o, ref_states = reference_steps(q, k, v, g, beta, states, "softplus", a_log, dt_bias)
+    new_pool = np.swapaxes(np.asarray(new_pool), 2, 3) if v_first else np.asarray(new_pool)
+    valid = slots >= 0
+    assert_close(o[valid], ref_o[valid], TOLERANCE[jnp.float32])
+    assert_close(new_pool[slots[valid]], ref_states[valid], TOLERANCE[jnp.float32], "pool")
+    assert np.all(np.asarray(o[~valid]) == 0), "a padded request must output zeros"
+    untouched = np.setdiff1d(np.arange(7), slots[valid])
+    before = np.swapaxes(np.asarray(pool), 2, 3) if v_first else np.asarray(pool)
+    np.testing.assert_array_equal(new_pool[untouched], before[untouched])
+
+
+def test_token_slots_keep_every_tokens_state():
+    """Speculative decoding: the state after token t lands in token_slots[b, t]; -1 writes nothing."""
+    tokens = 3
+    slots = np.array([0, 4, -1], np.int32)
+    token_slots = np.array([[1, 2, 3], [5, -1, 6], [7, 7, 7]], np.int32)
+    q, k, v, g, beta = decode_inputs(70, tokens=tokens)
+    a_log, dt_bias = gate_params(71)
+    states = normal(72, (B, HV, K, V))
+    pool = as_pool(np.asarray(states), slots, 8, 73)
+    o, new_pool = run_kernel(q, k, v, g, beta, pool, "bounded", a_log, dt_bias, slots=jnp.asarray(slots),
+                             token_slots=jnp.asarray(token_slots))
+    new_pool, pool = np.asarray(new_pool), np.asarray(pool)
+    written = set()
+    for b in (0, 1):
+        for t in range(tokens):
+            if token_slots[b, t] < 0:
+                continue
+            piece = (slice(b, b + 1), slice(0, t + 1))
+            ref_o, ref_state = reference_steps(
+                *(x[piece] for x in (q, k, v, g, beta)), states[b:b + 1], "bounded", a_log, dt_bias
+            )
+            assert_close(new_pool[token_slots[b, t]], ref_state[0], TOLERANCE[jnp.float32], f"state {b},{t}")
+            written.add(int(token_slots[b, t]))
+        assert_close(o[b], ref_o[0], TOLERANCE[jnp.float32])
+    untouched = sorted(set(range(8)) - written)  # includes the read slots 0 and 4 and padded row's 7
+    np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
+    assert np.all(np.asarray(o[2]) == 0)
+
+
+def test_single_token_path_of_kernel_delta_attention():
+    """platform='pallas' at T == 1 runs this kernel; its gradient is the XLA step's."""
+    q, k, v, g, beta = decode_inputs(80)
+    a_log, dt_bias = gate_params(81)
+    state = normal(82, (B, HV, K, V))
+    kwargs = dict(a_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, beta_is_logits=True, return_state=True)
+    out = kernel_delta_attention(q, k, v, beta, g, state, platform="pallas", **kwargs)
+    assert_close(out, reference_steps(q, k, v, g, beta, state, "bounded", a_log, dt_bias), TOLERANCE[jnp.float32])
+
+    def loss(platform, q, state):
+        o, final = kernel_delta_attention(q, k, v, beta, g, state, platform=platform, **kwargs)
+        return jnp.sum(o * o) + jnp.sum(final * v[:, 0, :, None, :1])
+
+    grads = jax.grad(loss, argnums=(1, 2))
+    assert_close(grads("pallas", q, state), grads("xla", q, state), TOLERANCE[jnp.float32], "grad")
+
+
+def test_unsupported_head_sizes_are_declined():
+    assert pallas_decode.tile_reason(100, 128) is not None
+    assert pallas_decode.tile_reason(128, 128) is None
