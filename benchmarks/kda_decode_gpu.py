@@ -1,0 +1,241 @@
+"""KDA decode on the H200: hybrax's Pallas step vs flash-linear-attention's fused_recurrent_kda.
+
+Run on the GPU machine (fla-core 0.6.0 wheel carried in .whl/):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:src python3 benchmarks/kda_decode_gpu.py
+
+A decode step as a server runs it: seed 003's math (L2 norm, scale, bounded gate
+lower_bound * sigmoid(exp(a_log) * (g + dt_bias)), beta sigmoid), bf16 q/k/v, fp32 state updated
+in place. Ours runs `steps` steps inside one jitted lax.fori_loop with the state donated, timed
+from the host around the whole loop and divided by the steps (one dispatch for all of them). fla
+is timed two ways: one eager call per step (triton.testing.do_bench, as a PyTorch server without
+graphs runs it) and a CUDA graph of `steps` calls replayed (its device time). Correctness first, at
+full size: ours against hybrax's XLA step and against fla on the same inputs. The state traffic is
+2 * B * H * K * V * 4 bytes per step; the ceiling is a measured 1 GiB device-to-device copy.
+`--smoke` runs tiny shapes on the CPU in interpret mode (the script's own check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import print_table  # noqa: E402
+
+from hybrax import kernel_delta_attention  # noqa: E402
+from hybrax.ops.kda.pallas_decode import fused_recurrent_decode  # noqa: E402
+
+DIM = 128
+LOWER_BOUND = -5.0
+CASES = [(1, 32), (8, 32), (64, 32), (256, 32), (1024, 16)]  # (requests, heads)
+STEPS = {1: 2000, 8: 1000, 64: 300, 256: 100, 1024: 100}
+VARIANTS = [(16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]  # (block_v, num_warps)
+
+
+def make_inputs(seed: int, batch: int, heads: int, dim: int):
+    keys = jax.random.split(jax.random.key(seed), 8)
+    q, k, v = (jax.random.normal(keys[i], (batch, 1, heads, dim), jnp.bfloat16) for i in range(3))
+    g = jax.random.normal(keys[3], (batch, 1, heads, dim), jnp.float32)
+    beta = jax.random.normal(keys[4], (batch, 1, heads), jnp.float32)
+    a_log = 0.5 * jax.random.normal(keys[5], (heads,), jnp.float32)
+    dt_bias = jax.random.normal(keys[6], (heads, dim), jnp.float32)
+    state = jax.random.normal(keys[7], (batch, heads, dim, dim), jnp.float32)
+    return (q, k, v, g, beta, a_log, dt_bias), state
+
+
+def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
+    q, k, v, g, beta, a_log, dt_bias = inputs
+    return fused_recurrent_decode(
+        q, k, v, g, beta, state, slots, a_log=a_log, dt_bias=dt_bias, scale=q.shape[-1] ** -0.5,
+        lower_bound=LOWER_BOUND, gate="bounded", beta_is_logits=True, state_v_first=state_v_first, **launch,
+    )
+
+
+def xla_step(inputs, state):
+    q, k, v, g, beta, a_log, dt_bias = inputs
+    return kernel_delta_attention(
+        q, k, v, beta, g, state, a_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, beta_is_logits=True,
+        return_state=True, platform="xla",
+    )
+
+
+def decode_loop(step, steps: int):
+    """`steps` decode steps in one jitted fori_loop, the state donated and carried in place."""
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def loop(state, inputs):
+        def body(_, carry):
+            state, checksum = carry
+            o, state = step(inputs, state)
+            return state, checksum + o[0, 0, 0, 0].astype(jnp.float32)
+
+        return lax.fori_loop(0, steps, body, (state, jnp.float32(0)))
+
+    return loop
+
+
+def time_loop(loop, state, inputs, steps: int, repeats: int = 5) -> tuple[float, jax.Array]:
+    """Median seconds per step over `repeats` runs of the loop (compiled and warmed first)."""
+    state, _ = jax.block_until_ready(loop(state, inputs))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state, _ = jax.block_until_ready(loop(state, inputs))
+        times.append((time.perf_counter() - start) / steps)
+    return statistics.median(times), state
+
+
+def rel(a, b) -> float:
+    a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+class Fla:
+    """fla's fused_recurrent_kda on the same inputs (torch tensors sharing nothing with JAX)."""
+
+    def __init__(self, inputs, state):
+        import torch
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        self.torch = torch
+        to_torch = lambda x: torch.from_numpy(np.asarray(jnp.asarray(x, jnp.float32))).cuda()  # noqa: E731
+        q, k, v, g, beta, a_log, dt_bias = (to_torch(x) for x in inputs)
+        q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+        self.state = to_torch(state).contiguous()
+        self.step = functools.partial(
+            fused_recurrent_kda_fwd, q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias.reshape(-1),
+            initial_state=self.state, scale=q.shape[-1] ** -0.5, inplace_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            lower_bound=LOWER_BOUND,
+        )
+
+    def one_step(self):
+        o, state = self.step()
+        return o.float().cpu().numpy(), state.cpu().numpy()
+
+    def eager_s(self) -> float:
+        from triton.testing import do_bench
+
+        return do_bench(self.step, warmup=25, rep=200, return_mode="median") * 1e-3
+
+    def graph_s(self, steps: int) -> float:
+        torch = self.torch
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self.step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(steps):
+                self.step()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / steps)
+        return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a 1 GiB device-to-device copy (torch, do_bench median)."""
+    import torch
+    from triton.testing import do_bench
+
+    x = torch.randn(2**28, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / (do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median") * 1e-3)
+
+
+def check(batch, heads, inputs, state, fla, launch) -> dict:
+    """One step at full size: ours vs the XLA step, vs fla, and the slot-pool and V-first forms vs ours."""
+    o, new = pallas_step(inputs, state, **launch)
+    o_xla, new_xla = xla_step(inputs, state)
+    errors = {"err_o_vs_xla": rel(o, o_xla), "err_S_vs_xla": rel(new, new_xla)}
+    perm = jax.random.permutation(jax.random.key(batch), batch).astype(jnp.int32)
+    pool = jnp.zeros_like(state).at[perm].set(state)
+    o_pool, pool = pallas_step(inputs, pool, perm, **launch)
+    errors["err_pool"] = max(rel(o_pool, o), rel(pool[perm], new))
+    o_vk, new_vk = pallas_step(inputs, jnp.swapaxes(state, 2, 3), state_v_first=True, **launch)
+    errors["err_vfirst"] = max(rel(o_vk, o), rel(jnp.swapaxes(new_vk, 2, 3), new))
+    if fla is not None:
+        o_fla, new_fla = fla.one_step()
+        errors["err_o_vs_fla"], errors["err_S_vs_fla"] = rel(o, o_fla), rel(new, new_fla)
+    return errors
+
+
+def bench_case(batch: int, heads: int, steps: int, with_fla: bool, variants, interpret: bool) -> dict:
+    inputs, state = make_inputs(batch * 7 + heads, batch, heads, DIM)
+    fla = Fla(inputs, state) if with_fla else None
+    row = {"B": batch, "H": heads}
+    row.update(check(batch, heads, inputs, state, fla, {"block_v": 32, "num_warps": 4, "interpret": interpret}))
+    timings = {}
+    for block_v, num_warps in variants:
+        step = functools.partial(pallas_step, block_v=block_v, num_warps=num_warps, interpret=interpret)
+        timings[(block_v, num_warps)], state = time_loop(decode_loop(step, steps), state, inputs, steps)
+    (block_v, num_warps), best = min(timings.items(), key=lambda item: item[1])
+    row["sweep_us"] = {f"bv{bv}w{w}": round(t * 1e6, 2) for (bv, w), t in timings.items()}
+    row["ours_us"], row["cfg"] = best * 1e6, f"bv{block_v}w{num_warps}"
+    launch = {"block_v": block_v, "num_warps": num_warps, "interpret": interpret}
+    slots = jax.random.permutation(jax.random.key(1), batch).astype(jnp.int32)
+    pool_step = functools.partial(pallas_step, slots=slots, **launch)
+    vfirst_step = functools.partial(pallas_step, state_v_first=True, **launch)
+    for name, step in (("pool_us", pool_step), ("vfirst_us", vfirst_step), ("xla_us", xla_step)):
+        seconds, state = time_loop(decode_loop(step, steps), state, inputs, steps)
+        row[name] = seconds * 1e6
+    if fla is not None:
+        row["fla_eager_us"], row["fla_graph_us"] = fla.eager_s() * 1e6, fla.graph_s(min(steps, 200)) * 1e6
+    row["state_bytes"] = 2 * batch * heads * DIM * DIM * 4
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpret mode, no fla")
+    args = parser.parse_args()
+    if args.smoke:
+        cases, steps, variants, with_fla = [(1, 2), (2, 2)], {1: 2, 2: 2}, VARIANTS[:2], False
+    else:
+        cases, steps, variants, with_fla = CASES, STEPS, VARIANTS, True
+    copy = copy_bandwidth() if with_fla else float("nan")
+    rows = []
+    for batch, heads in cases:
+        row = bench_case(batch, heads, steps[batch], with_fla, variants, interpret=args.smoke)
+        bandwidth = row["state_bytes"] / (row["ours_us"] * 1e-6)
+        row.update({"TB/s": round(bandwidth / 1e12, 2), "%copy": round(100 * bandwidth / copy, 1)})
+        if with_fla:
+            row["x_fla_eager"] = round(row["fla_eager_us"] / row["ours_us"], 2)
+            row["x_fla_graph"] = round(row["fla_graph_us"] / row["ours_us"], 2)
+            row["fla_graph_TB/s"] = round(row["state_bytes"] / (row["fla_graph_us"] * 1e-6) / 1e12, 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "kda_decode_gpu.json"), "w") as f:
+            json.dump({"copy_TBps": copy / 1e12, "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+    for row in rows:
+        for key in ("ours_us", "pool_us", "vfirst_us", "xla_us", "fla_eager_us", "fla_graph_us"):
+            if key in row:
+                row[key] = round(row[key], 2)
+        row["max_err"] = f"{max(v for k, v in row.items() if k.startswith('err')):.1e}"
+    print(f"copy bandwidth {copy / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
+    print_table(rows, ["B", "H", "cfg", "ours_us", "TB/s", "%copy", "pool_us", "vfirst_us", "xla_us",
+                       "fla_eager_us", "fla_graph_us", "fla_graph_TB/s", "x_fla_eager", "x_fla_graph", "max_err"])
+
+
+if __name__ == "__main__":
+    main()
