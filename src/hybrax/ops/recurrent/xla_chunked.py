@@ -32,56 +32,71 @@ from hybrax.ops.recurrent.engine import decay_state, forward, vjp_rules
 CHUNK_SIZES = (16, 32, 64, 128)
 
 
-def _exp(log: jax.Array | None) -> jax.Array | None:
-    return None if log is None else jnp.exp(log)
-
-
 def _times(x: jax.Array, factor: jax.Array | None) -> jax.Array:
     return x if factor is None else x * factor
 
 
-def _block_sums(log: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """Within blocks of `block` tokens along axis -2: (sum of gates up to and including t, sum after t)."""
-    shape = log.shape
-    blocks = log.reshape(shape[:-2] + (shape[-2] // block, block, shape[-1]))
-    upto = jnp.cumsum(blocks, axis=-2)
-    from_here = jax.lax.cumsum(blocks, axis=blocks.ndim - 2, reverse=True)
-    after = jnp.concatenate([from_here[..., 1:, :], jnp.zeros_like(from_here[..., :1, :])], axis=-2)
-    return upto.reshape(shape), after.reshape(shape)
+class _BlockDecays(NamedTuple):
+    """Per-token decay products inside blocks of tokens along axis -2 (values in (0, 1] for decaying gates)."""
+
+    upto: jax.Array  # product over the block's tokens up to and including t
+    after: jax.Array  # product over the block's tokens after t
 
 
-def _block_pair_level(q, k, v, log_k, log_v, half: int) -> jax.Array:
+def _split_pairs(x: jax.Array, half: int) -> jax.Array:
+    """[..., C, D] -> [..., C / (2 half), 2 (earlier, later), half, D]."""
+    return x.reshape(x.shape[:-2] + (x.shape[-2] // (2 * half), 2, half, x.shape[-1]))
+
+
+def _merge_pairs(pair: jax.Array) -> jax.Array:
+    return pair.reshape(pair.shape[:-4] + (-1, pair.shape[-1]))
+
+
+def _coarsen(d: _BlockDecays, half: int) -> _BlockDecays:
+    """Products in blocks of 2*half tokens from those in blocks of half: multiply in the other half's total."""
+    upto, after = _split_pairs(d.upto, half), _split_pairs(d.after, half)
+    is_later = (jnp.arange(2) == 1)[:, None, None]
+    earlier_total, later_total = upto[..., 0:1, -1:, :], upto[..., 1:2, -1:, :]
+    upto = upto * jnp.where(is_later, earlier_total, 1)
+    after = after * jnp.where(is_later, 1, later_total)
+    return _BlockDecays(_merge_pairs(upto), _merge_pairs(after))
+
+
+def _block_decays(decay: jax.Array | None, chunk: int) -> list[_BlockDecays | None]:
+    """Products for blocks of 1, 2, 4, ..., chunk tokens, built by multiplying (no exp, no long sums)."""
+    if decay is None:
+        return [None] * (chunk.bit_length())
+    # The barriers keep XLA from fusing each level's whole chain of products (and the exp) into every
+    # consumer, which recomputes it once per level.
+    levels = [jax.lax.optimization_barrier(_BlockDecays(decay, jnp.ones_like(decay)))]
+    while len(levels) < chunk.bit_length():
+        levels.append(jax.lax.optimization_barrier(_coarsen(levels[-1], 1 << (len(levels) - 1))))
+    return levels
+
+
+def _block_pair_level(q, k, v, decay_k: _BlockDecays | None, decay_v: _BlockDecays | None, half: int):
     """Contribution of earlier-half keys j to later-half queries i, for blocks of 2*half tokens."""
-    chunk = q.shape[-2]
-
-    def split(x):  # [..., C, D] -> [..., C / (2 half), 2 (earlier, later), half, D]
-        return x.reshape(x.shape[:-2] + (chunk // (2 * half), 2, half, x.shape[-1]))
 
     def earlier(x):
-        return split(x)[..., 0, :, :]
+        return _split_pairs(x, half)[..., 0, :, :]
 
     def later(x):
-        return split(x)[..., 1, :, :]
+        return _split_pairs(x, half)[..., 1, :, :]
 
     q_later, k_earlier, v_earlier, out_scale = later(q), earlier(k), earlier(v), None
-    if log_k is not None:
-        upto, after = _block_sums(log_k, half)
-        q_later, k_earlier = q_later * jnp.exp(later(upto)), k_earlier * jnp.exp(earlier(after))
-    if log_v is not None:
-        upto, after = _block_sums(log_v, half)
-        v_earlier, out_scale = v_earlier * jnp.exp(earlier(after)), jnp.exp(later(upto))
+    if decay_k is not None:
+        q_later, k_earlier = q_later * later(decay_k.upto), k_earlier * earlier(decay_k.after)
+    if decay_v is not None:
+        v_earlier, out_scale = v_earlier * earlier(decay_v.after), later(decay_v.upto)
     scores = jnp.einsum("...ik,...jk->...ij", q_later, k_earlier)
     out_later = _times(jnp.einsum("...ij,...jv->...iv", scores, v_earlier), out_scale)
-    both = jnp.stack([jnp.zeros_like(out_later), out_later], axis=-3)
-    return both.reshape(q.shape[:-1] + (v.shape[-1],))
+    return _merge_pairs(jnp.stack([jnp.zeros_like(out_later), out_later], axis=-3))
 
 
-def _intra_per_channel(q, k, v, log_k, log_v) -> jax.Array:
+def _intra_per_channel(q, k, v, decays_k: list, decays_v: list) -> jax.Array:
     out = jnp.einsum("...ck,...ck->...c", q, k)[..., None] * v
-    half = q.shape[-2] // 2
-    while half >= 1:
-        out = out + _block_pair_level(q, k, v, log_k, log_v, half)
-        half //= 2
+    for level in range(len(decays_k) - 1):
+        out = out + _block_pair_level(q, k, v, decays_k[level], decays_v[level], 1 << level)
     return out
 
 
@@ -188,17 +203,18 @@ def chunked_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAtte
     log_k, log_v = _normalize_sides(log_k, log_v)
     packed = None if cu_seqlens is None else _packed_layout(cu_seqlens, seq_len, chunk)
     q, k, v, log_k, log_v = (_to_chunks(x, chunk, packed) for x in (q, k, v, log_k, log_v))
+    decays_k = _block_decays(None if log_k is None else jnp.exp(log_k), chunk)
+    decays_v = _block_decays(None if log_v is None else jnp.exp(log_v), chunk)
     if log_v is None and (log_k is None or log_k.shape[-1] == 1):
         out = _intra_scalar(q, k, v, log_k)
     else:
-        out = _intra_per_channel(q, k, v, log_k, log_v)
+        out = _intra_per_channel(q, k, v, decays_k, decays_v)
+    in_chunk_k, in_chunk_v = decays_k[-1], decays_v[-1]
     q_in, k_out, v_out, decay_k, decay_v, out_scale = q, k, v, None, None, None
-    if log_k is not None:
-        upto, after = _block_sums(log_k, chunk)
-        q_in, k_out, decay_k = q * jnp.exp(upto), k * jnp.exp(after), jnp.exp(upto[..., -1, :])
-    if log_v is not None:
-        upto, after = _block_sums(log_v, chunk)
-        v_out, decay_v, out_scale = v * jnp.exp(after), jnp.exp(upto[..., -1, :]), jnp.exp(upto)
+    if in_chunk_k is not None:
+        q_in, k_out, decay_k = q * in_chunk_k.upto, k * in_chunk_k.after, in_chunk_k.upto[..., -1, :]
+    if in_chunk_v is not None:
+        v_out, decay_v, out_scale = v * in_chunk_v.after, in_chunk_v.upto[..., -1, :], in_chunk_v.upto
     local = jnp.einsum("...ck,...cv->...kv", k_out, v_out)
     entering, final = _pass_states(local, decay_k, decay_v, h0, packed)
     out = out + _times(jnp.einsum("...ck,...kv->...cv", q_in, entering), out_scale)
