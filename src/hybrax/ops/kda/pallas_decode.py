@@ -196,6 +196,10 @@ def tile_reason(dk: int, dv: int) -> str | None:
     return None
 
 
+# (block_v, num_warps) pairs worth timing; the autotuner of `kda_decode_pool` tries them.
+LAUNCH_CANDIDATES = ((16, 1), (32, 1), (32, 2), (64, 2), (32, 4), (64, 4))
+
+
 def launch_params(rows: int, dv: int) -> dict[str, int]:
     """block_v and num_warps for `rows` = requests x value heads (measured on the H200: BENCHMARKS.md)."""
     return {"block_v": min(32, dv), "num_warps": 4}
