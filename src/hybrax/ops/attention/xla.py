@@ -15,14 +15,14 @@ from hybrax.ops.attention import scores
 from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
 
 
-def softmax_weights(
+def softmax_parts(
     logits: Float[Array, "B K G q k"], seen: Bool[Array, "*b q k"], sinks: Float[Array, "K G S"] | None
-) -> Float[Array, "B K G q k"]:
-    """Softmax over the visible keys (and the sinks, which only join the denominator).
+) -> tuple[Float[Array, "B K G q k"], Float[Array, "B K G q"]]:
+    """Unnormalized softmax weights over the visible keys, and each row's denominator (which the
+    sinks join without a value). Weights = exps / denominator, 0 where the denominator is 0.
 
-    Hidden keys get weight exactly 0, and a row with nothing in its denominator gets zeros: the
-    max is taken over visible entries only and `exp` sees -inf, never inf - inf, so neither the
-    value nor the gradient can be NaN.
+    Hidden keys get exactly 0: the max is taken over visible entries only and `exp` sees -inf,
+    never inf - inf, so neither the value nor the gradient can be NaN.
     """
     row_max = jnp.max(jnp.where(seen, logits, -jnp.inf), axis=-1)
     if sinks is not None:
@@ -33,7 +33,7 @@ def softmax_weights(
     denominator = jnp.sum(exps, axis=-1)
     if sinks is not None:
         denominator = denominator + jnp.sum(jnp.exp(sinks[None, :, :, None, :] - row_max[..., None]), axis=-1)
-    return exps / jnp.where(denominator > 0, denominator, 1.0)[..., None]
+    return exps, denominator
 
 
 def _heuristic(inv: Invocation) -> AttentionConfig:
@@ -46,9 +46,10 @@ def direct(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G 
     k_pos = jnp.arange(p.key.shape[1])
     logits = scores.logits(p, p.query, p.key, p.bias)
     seen = scores.visible(p, q_pos, k_pos, p.mask, p.q_segment_ids, p.kv_segment_ids)
-    weights = softmax_weights(logits, seen, p.softmax_aux)
+    exps, denominator = softmax_parts(logits, seen, p.softmax_aux)
     keep = scores.dropout_keep(p, q_pos, k_pos) if p.dropout_prob else None
-    weights = scores.apply_dropout(p, weights, keep)
-    out = jnp.einsum("bhgqk,bkhv->bqhgv", weights.astype(p.dtype), p.value,
+    # Normalizing the [.., q, Dv] output rather than the [.., q, k] weights saves a pass over the scores.
+    out = jnp.einsum("bhgqk,bkhv->bhgqv", scores.apply_dropout(p, exps, keep).astype(p.dtype), p.value,
                      preferred_element_type=scores.accumulation_dtype(p), precision=scores.precision(p.dtype))
-    return out.astype(p.dtype)
+    out = out / jnp.where(denominator > 0, denominator, 1.0)[..., None].astype(out.dtype)
+    return jnp.moveaxis(out, 3, 1).astype(p.dtype)
