@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -11,7 +12,6 @@ import numpy as np
 
 from hybrax import RecurrentAttentionConfig, recurrent_attention
 from hybrax.ops.recurrent.reference import recurrent_reference
-from tests.helpers import normal
 
 # A chunk of 16 makes the small test lengths span several chunks with a ragged last one.
 IMPLS = {
@@ -30,19 +30,25 @@ class Call:
         return [self.arrays.get(name) for name in ARG_NAMES]
 
     def run(self, cfg: RecurrentAttentionConfig, **options: Any) -> tuple[jax.Array, jax.Array]:
-        return recurrent_attention(*self.args(), reverse=self.reverse, return_state=True, cfg=cfg, **options)
+        """Jitted: one compilation instead of many eager dispatches keeps the tests fast."""
+        run = functools.partial(recurrent_attention, reverse=self.reverse, return_state=True, cfg=cfg, **options)
+        return jax.jit(run)(*self.args())
 
     def reference(self) -> tuple[np.ndarray, np.ndarray]:
         return recurrent_reference(*self.args(), reverse=self.reverse)
 
 
+def normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    """NumPy draws: eager jax.random would compile a program per shape, seconds per test on 2 cores."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
 def log_decay(seed: int, shape: tuple[int, ...], strong_fraction: float = 0.0) -> jax.Array:
     """Log gates in (-inf, 0) around -0.13; a fraction of them -1000 (a decay of exactly zero in fp32)."""
-    gate = jax.nn.log_sigmoid(normal(seed, shape) + 2.0)
-    if strong_fraction:
-        strong = jax.random.bernoulli(jax.random.key(seed + 1000), strong_fraction, shape)
-        gate = jnp.where(strong, -1000.0, gate)
-    return gate
+    rng = np.random.default_rng(seed)
+    gate = -np.logaddexp(0.0, -(rng.standard_normal(shape) + 2.0))  # log_sigmoid
+    gate = np.where(rng.random(shape) < strong_fraction, -1000.0, gate)
+    return jnp.asarray(gate, jnp.float32)
 
 
 def make_call(

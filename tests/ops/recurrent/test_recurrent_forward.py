@@ -40,7 +40,7 @@ def test_output_dtype_shapes_and_default_return(impl):
     output, final = call.run(IMPLS[impl])
     assert output.shape == (2, 37, 4, 5) and output.dtype == jnp.float32
     assert final.shape == (2, 4, 8, 5) and final.dtype == jnp.float32
-    alone = recurrent_attention(*call.args(), cfg=IMPLS[impl])
+    alone = jax.jit(lambda *args: recurrent_attention(*args, cfg=IMPLS[impl]))(*call.args())
     np.testing.assert_array_equal(alone, output)
 
 
@@ -69,9 +69,8 @@ def test_packed_equals_separate_calls(impl):
     output, final = call.run(IMPLS[impl])
     for index, (start, end) in enumerate([(0, 7), (7, 30)]):
         part = {name: call.arrays[name][:, start:end] for name in ("query", "key", "value", "g", "gk")}
-        alone, alone_final = recurrent_attention(
-            part["query"], part["key"], part["value"], part["g"], None, part["gk"],
-            return_state=True, cfg=IMPLS[impl])
+        alone, alone_final = jax.jit(lambda q, k, v, g, gk: recurrent_attention(
+            q, k, v, g, None, gk, return_state=True, cfg=IMPLS[impl]))(*part.values())
         assert_close(output[:, start:end], np.asarray(alone, np.float64), FP32)
         assert_close(final[index], np.asarray(alone_final[0], np.float64), FP32)
 
@@ -126,8 +125,8 @@ def test_jit_vmap_checkpoint(impl):
         return recurrent_attention(*args, return_state=True, cfg=IMPLS[impl])
 
     assert_close(jax.jit(run)(*call.args()), call.reference(), FP32)
-    assert_close(jax.checkpoint(run)(*call.args()), call.reference(), FP32)
+    assert_close(jax.jit(jax.checkpoint(run))(*call.args()), call.reference(), FP32)
     stacked = [None if a is None else jnp.stack([a, b]) for a, b in zip(call.args(), other.args())]
-    output, final = jax.vmap(run)(*stacked)
+    output, final = jax.jit(jax.vmap(run))(*stacked)
     for index, single in enumerate((call, other)):
         assert_close((output[index], final[index]), single.reference(), FP32)

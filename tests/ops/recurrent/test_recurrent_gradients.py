@@ -1,0 +1,111 @@
+"""Gradients of both implementations (custom VJPs) for query, key, value, every gate and initial_state:
+against jax.grad of the float64 reference math, against float64 finite differences, under jit and vmap."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrax import recurrent_attention
+from hybrax.ops.recurrent.reference import recurrent_reference
+from tests.helpers import TOLERANCE, assert_close
+from tests.ops.recurrent.inputs import ARG_NAMES, IMPLS, make_call, normal
+
+FP32 = TOLERANCE[jnp.float32]
+GATE_TOLERANCE_STRONG = 5e-5  # measured up to 1.5e-5
+DIFFERENTIABLE = ARG_NAMES[:-1]  # all but cu_seqlens
+
+LAYOUTS = {
+    # batch of 2, per-head scalar g and a per-batch g_gamma; T = 19 spans two chunks of 16
+    "batch": dict(seq_len=19, g_gamma_batched=True),
+    # packed with empty sequences, per-key g
+    "packed": dict(cu_seqlens=[0, 0, 6, 6, 19], g_per_key=True),
+    # strong gates: a fifth of them -1000
+    "strong": dict(seq_len=19, g_per_key=True, strong_fraction=0.2),
+}
+
+
+def _loss(run, weights, *args):
+    output, final = run(*args)
+    return jnp.sum(output * weights[0]) + jnp.sum(final * weights[1])
+
+
+def _weights(call, seed=99):
+    output, final = call.reference()
+    return normal(seed, output.shape), normal(seed + 1, final.shape)
+
+
+def _present(call):
+    return [i for i, name in enumerate(DIFFERENTIABLE) if call.arrays.get(name) is not None]
+
+
+def _our_gradients(call, cfg, weights):
+    run = functools.partial(recurrent_attention, reverse=call.reverse, return_state=True, cfg=cfg)
+    argnums = _present(call)
+    return jax.jit(jax.grad(functools.partial(_loss, run, weights), argnums=argnums))(*call.args())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gradients_match_float64_reference(impl, layout, reverse):
+    call = make_call(20, heads=4, kv_heads=2, key_dim=4, value_dim=3, reverse=reverse, **LAYOUTS[layout])
+    weights = _weights(call)
+    ours = _our_gradients(call, IMPLS[impl], weights)
+    argnums = _present(call)
+    with jax.enable_x64(True):
+        args64 = [a if name == "cu_seqlens" or a is None else jnp.asarray(a, jnp.float64)
+                  for name, a in zip(ARG_NAMES, call.args())]
+        reference = functools.partial(recurrent_reference, reverse=reverse, xp=jnp)
+        weights64 = [jnp.asarray(w, jnp.float64) for w in weights]
+        expected = jax.grad(functools.partial(_loss, reference, weights64), argnums=argnums)(*args64)
+        expected = [np.asarray(e) for e in expected]
+    for index, got, want in zip(argnums, ours, expected, strict=True):
+        name = DIFFERENTIABLE[index]
+        assert got.dtype == call.args()[index].dtype
+        # Gate gradients are suffix sums of q*dq - k*dk (engine.py): when a decay is exactly zero the true
+        # gradient vanishes by cancellation of O(1) terms, which fp32 leaves at ~eps * sqrt(T) of them.
+        tol = GATE_TOLERANCE_STRONG if layout == "strong" and name.startswith("g") else FP32
+        assert_close(got, want, tol, what=f"d{name}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["batch", "packed"])
+def test_gradients_match_finite_differences(impl, layout):
+    """In float64 the implementations compute in float64, so central differences are accurate to ~1e-9."""
+    with jax.enable_x64(True):
+        call = make_call(21, heads=2, kv_heads=1, key_dim=4, value_dim=3, dtype=jnp.float64, **LAYOUTS[layout])
+        call.arrays = {n: a if n == "cu_seqlens" else jnp.asarray(a, jnp.float64) for n, a in call.arrays.items()}
+        weights = [jnp.asarray(w, jnp.float64) for w in _weights(call)]
+        run = functools.partial(recurrent_attention, return_state=True, cfg=IMPLS[impl])
+        loss = jax.jit(functools.partial(_loss, run, weights))
+        grads = _our_gradients(call, IMPLS[impl], weights)
+        args, eps = call.args(), 1e-5
+        for seed, (index, grad) in enumerate(zip(_present(call), grads, strict=True)):
+            direction = jnp.asarray(np.random.default_rng(seed).standard_normal(args[index].shape))
+            shifted = lambda sign: loss(*(a + sign * eps * direction if i == index else a  # noqa: E731
+                                           for i, a in enumerate(args)))
+            numeric = float((shifted(1) - shifted(-1)) / (2 * eps))
+            analytic = float(jnp.vdot(grad, direction))
+            assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric)), (DIFFERENTIABLE[index], numeric, analytic)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_under_vmap(impl):
+    calls = [make_call(seed, batch=1, seq_len=19, gates=("g", "gk", "gv")) for seed in (30, 31)]
+    cfg = IMPLS[impl]
+
+    def loss(*args):  # output only: the final state's cotangent is zero
+        return jnp.sum(recurrent_attention(*args, cfg=cfg) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 5, 6, 7))
+    stacked = [None if a is None else jnp.stack([a, b]) for a, b in zip(calls[0].args(), calls[1].args())]
+    batched = jax.jit(jax.vmap(grad))(*stacked)
+    for index, call in enumerate(calls):
+        single = jax.jit(grad)(*call.args())
+        for got, want in zip(batched, single, strict=True):
+            assert_close(got[index], np.asarray(want, np.float64), FP32)
