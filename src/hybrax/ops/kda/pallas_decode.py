@@ -38,6 +38,7 @@ from hybrax.ops.kda.xla_scan import kda_single_step
 
 GATES = ("activated", "softplus", "bounded")
 L2_EPS = 1e-6
+MAX_UNROLLED_TOKENS = 8
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) == x in fp32 beyond it (fla's threshold)
 
 
@@ -108,19 +109,26 @@ def _decode_kernel(
 
         return state
 
-    @pl.when(slot >= 0)
-    def _():
-        final = lax.fori_loop(0, tokens, token_step, tile(slot)[...])
+    def advance():
+        state = tile(slot)[...]
+        if tokens <= MAX_UNROLLED_TOKENS:  # straight-line code for decode and short speculation
+            for t in range(tokens):
+                state = token_step(t, state)
+        else:
+            state = lax.fori_loop(0, tokens, token_step, state)
         if token_slots_ref is None:
-            tile(slot)[...] = final
+            tile(slot)[...] = state
+
+    if slots_ref is None:  # every request owns its row: nothing to skip
+        advance()
+        return
+
+    pl.when(slot >= 0)(advance)
 
     @pl.when(slot < 0)
     def _():
-        def zero_output(t, carry):
+        for t in range(tokens):
             o_ref[b, t, head, cols] = jnp.zeros((block_v,), o_ref.dtype)
-            return carry
-
-        lax.fori_loop(0, tokens, zero_output, 0)
 
 
 @functools.partial(
