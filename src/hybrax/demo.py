@@ -39,7 +39,42 @@ def attention_cases() -> list[Case]:
 
 
 def recurrent_cases() -> list[Case]:
-    return []
+    """Both implementations, per-key and per-head gates, packed sequences; outputs and final states."""
+    from hybrax import RecurrentAttentionConfig, recurrent_attention
+    from hybrax.ops.recurrent.reference import recurrent_reference
+
+    rng = np.random.default_rng(0)
+    batch, seq_len, heads, dim = 2, 256, 4, 64
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    def log_decay(*shape):
+        return (-np.logaddexp(0.0, -(rng.standard_normal(shape) + 3.0))).astype(np.float32)
+
+    tokens = (batch, seq_len, heads, dim)
+    q, k, v, h0 = normal(*tokens), normal(*tokens), normal(*tokens), normal(batch, heads, dim, dim)
+    gk, gv = log_decay(*tokens), log_decay(*tokens)
+    g, g_gamma = log_decay(1, seq_len, heads), log_decay(heads)
+    cu_seqlens = np.array([0, 40, 40, 200, 256], np.int32)
+    packed_h0 = normal(4, heads, dim, dim)
+    calls = {
+        "gk,h0": (q, k, v, None, None, gk, None, h0, None),
+        "gk,gv,reverse": (q, k, v, None, None, gk, gv, None, None),
+        "g,g_gamma,packed": (q[:1], k[:1], v[:1], g, g_gamma, None, None, packed_h0, cu_seqlens),
+    }
+    cases = []
+    for gates, args in calls.items():
+        reverse = "reverse" in gates
+        for cfg in (RecurrentAttentionConfig("xla", "scan"), RecurrentAttentionConfig("xla", "chunked")):
+            run = jax.jit(lambda *a, cfg=cfg, reverse=reverse: recurrent_attention(
+                *a, reverse=reverse, return_state=True, cfg=cfg))
+            cases.append(Case(
+                "recurrent_attention", f"xla:{cfg.backend}", f"{gates} {args[0].shape[0]}x{seq_len}x{heads}x{dim}",
+                run=lambda run=run, args=args: run(*args),
+                reference=lambda args=args, reverse=reverse: recurrent_reference(*args, reverse=reverse),
+            ))
+    return cases
 
 
 def kda_cases() -> list[Case]:
