@@ -181,7 +181,7 @@ def check(batch, heads, inputs, state, fla, launch) -> dict:
     return errors
 
 
-def bench_case(batch: int, heads: int, steps: int, with_fla: bool, variants, interpret: bool) -> dict:
+def bench_case(batch: int, heads: int, steps: int, with_fla: bool, variants, interpret: bool, extras: bool) -> dict:
     inputs, state = make_inputs(batch * 7 + heads, batch, heads, DIM)
     fla = Fla(inputs, state) if with_fla else None
     row = {"B": batch, "H": heads}
@@ -197,7 +197,7 @@ def bench_case(batch: int, heads: int, steps: int, with_fla: bool, variants, int
     slots = jax.random.permutation(jax.random.key(1), batch).astype(jnp.int32)
     pool_step = functools.partial(pallas_step, slots=slots, **launch)
     vfirst_step = functools.partial(pallas_step, state_v_first=True, **launch)
-    for name, step in (("pool_us", pool_step), ("vfirst_us", vfirst_step), ("xla_us", xla_step)):
+    for name, step in (("pool_us", pool_step), ("vfirst_us", vfirst_step), ("xla_us", xla_step))[:3 if extras else 0]:
         seconds, state = time_loop(decode_loop(step, steps), state, inputs, steps)
         row[name] = seconds * 1e6
     if fla is not None:
@@ -209,15 +209,21 @@ def bench_case(batch: int, heads: int, steps: int, with_fla: bool, variants, int
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpret mode, no fla")
+    parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 (default: VARIANTS)")
+    parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
+    parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")
     args = parser.parse_args()
+    variants = VARIANTS
+    if args.configs:
+        variants = [tuple(int(n) for n in c.split("x")) for c in args.configs.split(",")]
     if args.smoke:
-        cases, steps, variants, with_fla = [(1, 2), (2, 2)], {1: 2, 2: 2}, VARIANTS[:2], False
+        cases, steps, variants, with_fla = [(1, 2), (2, 2)], {1: 2, 2: 2}, variants[:2], False
     else:
-        cases, steps, variants, with_fla = CASES, STEPS, VARIANTS, True
-    copy = copy_bandwidth() if with_fla else float("nan")
+        cases, steps, with_fla = CASES, STEPS, not args.no_fla
+    copy = copy_bandwidth() if not args.smoke else float("nan")
     rows = []
     for batch, heads in cases:
-        row = bench_case(batch, heads, steps[batch], with_fla, variants, interpret=args.smoke)
+        row = bench_case(batch, heads, steps[batch], with_fla, variants, args.smoke, not args.no_extras)
         bandwidth = row["state_bytes"] / (row["ours_us"] * 1e-6)
         row.update({"TB/s": round(bandwidth / 1e12, 2), "%copy": round(100 * bandwidth / copy, 1)})
         if with_fla:
