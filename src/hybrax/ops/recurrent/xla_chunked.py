@@ -1,20 +1,23 @@
 """The chunked backend: matmuls inside chunks of C tokens, the [K, V] state passed from chunk to chunk.
 
-Numerical safety: every exponent is a sum of log gates over a stretch of tokens that lies between the
-two positions it relates, summed directly (never a difference of long cumulative sums), so decaying
-gates give only exponents <= 0 and gates of -1000 give exact zeros instead of inf * 0.
-- Inter-chunk: token i reads the incoming state through exp(sum of gates from the chunk start to i);
-  token j enters the outgoing state through exp(sum of gates after j to the chunk end).
+Numerical safety: no exponent is ever formed from a difference of cumulative gate sums. Decays enter as
+products of per-token factors exp(g_t) over stretches of tokens that lie between the two positions
+they relate, so decaying gates only ever give factors in [0, 1] (no overflow, no inf * 0), a gate of
+-1000 gives an exact zero, and the relative rounding is that of a product of at most C factors.
+- Inter-chunk: token i reads the incoming state through the product of the factors from the chunk
+  start to i; token j enters the outgoing state through the product of the factors after j.
 - Intra-chunk with per-channel gates: the chunk is split in halves recursively (log2 C levels). For a
-  pair of neighbouring blocks, the later block's queries are scaled by exp(gates from the blocks' seam
-  to i) and the earlier block's keys by exp(gates from j to the seam): both factors are <= 1, their
+  pair of neighbouring blocks, the later block's queries are scaled by the product from the blocks'
+  seam to i and the earlier block's keys by the product from j to the seam: both are <= 1, their
   product is the exact decay from j to i, and each block pair is one matmul. The diagonal (i = j) is
-  undecayed. Every pair j < i is covered at exactly one level.
+  undecayed. Every pair j < i is covered at exactly one level. The products for blocks of 2h tokens
+  come from those for blocks of h by one multiplication (`_coarsen`).
 - Intra-chunk with a per-head scalar gate only: one [C, C] score matrix times the pairwise decay
-  exp(sum_{t=j+1..i} g_t), itself a masked cumulative sum.
+  exp(sum_{t=j+1..i} g_t), whose exponent is a masked cumulative sum (<= 0, summed directly).
 Packed sequences (`cu_seqlens`) are laid out so that each one starts on a chunk boundary (at most
-N*(C-1) padding tokens in all); the state is reset to the sequence's initial state at its first chunk.
-Padding tokens have zero keys, values and log gates, so they leave the state unchanged.
+N*(C-1) padding tokens in all; exact, no masks inside chunks); the state is reset to the sequence's
+initial state at its first chunk. Padding tokens have zero keys, values and log gates, so they leave
+the state unchanged.
 """
 
 from __future__ import annotations
