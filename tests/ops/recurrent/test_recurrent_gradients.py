@@ -95,7 +95,7 @@ def test_gradients_match_finite_differences(impl, layout):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_gradients_under_vmap(impl):
+def test_gradients_under_vmap_and_checkpoint(impl):
     calls = [make_call(seed, batch=1, seq_len=19, gates=("g", "gk", "gv")) for seed in (30, 31)]
     cfg = IMPLS[impl]
 
@@ -105,7 +105,10 @@ def test_gradients_under_vmap(impl):
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 5, 6, 7))
     stacked = [None if a is None else jnp.stack([a, b]) for a, b in zip(calls[0].args(), calls[1].args())]
     batched = jax.jit(jax.vmap(grad))(*stacked)
+    rematerialized = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3, 5, 6, 7)))
     for index, call in enumerate(calls):
         single = jax.jit(grad)(*call.args())
         for got, want in zip(batched, single, strict=True):
             assert_close(got[index], np.asarray(want, np.float64), FP32)
+        for got, want in zip(rematerialized(*call.args()), single, strict=True):
+            assert_close(got, np.asarray(want, np.float64), FP32)
