@@ -70,7 +70,9 @@ def _check_cu_seqlens(cu_seqlens: Any, batch: int, seq_len: int) -> None:
     check_integer("cu_seqlens", cu_seqlens)
     check_rank("cu_seqlens", cu_seqlens, 1, "[num_seqs + 1]")
     if jnp.shape(cu_seqlens)[0] < 2:
-        raise ValueError(f"cu_seqlens must have shape [num_seqs + 1] with num_seqs >= 1, got {describe(jnp.shape(cu_seqlens))}")
+        raise ValueError(
+            f"cu_seqlens must have shape [num_seqs + 1] with num_seqs >= 1, got {describe(jnp.shape(cu_seqlens))}"
+        )
     if batch != 1:
         raise ValueError(f"cu_seqlens packs sequences into batch 1, but query has batch {batch}")
     if isinstance(cu_seqlens, jax.core.Tracer):

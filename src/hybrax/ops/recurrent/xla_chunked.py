@@ -120,6 +120,8 @@ class _Packed(NamedTuple):
     """Where packed tokens and sequences sit once every sequence starts on a chunk boundary."""
 
     position: jax.Array  # [T] padded index of each token
+    source: jax.Array  # [Nc*C] token at each padded index (clipped) ...
+    is_token: jax.Array  # [Nc*C] ... and whether there is one (else padding)
     chunk_seq: jax.Array  # [Nc] sequence of each chunk
     reset: jax.Array  # [Nc] whether the chunk starts its sequence
     last_chunk: jax.Array  # [N]
@@ -138,7 +140,13 @@ def _packed_layout(cu_seqlens: jax.Array, seq_len: int, chunk: int) -> _Packed:
     chunk_seq = jnp.clip(jnp.searchsorted(first_chunk, chunks, side="right") - 1, 0, num_seqs - 1)
     reset = (chunks == first_chunk[chunk_seq]) & (chunks < first_chunk[-1])
     last_chunk = jnp.clip(first_chunk[1:] - 1, 0, num_chunks - 1)
-    return _Packed(position, chunk_seq, reset, last_chunk, lengths > 0, num_chunks)
+    # The inverse of `position`, so that the layout is a gather (XLA's CPU scatter is slow).
+    padded = jnp.arange(num_chunks * chunk)
+    padded_seq = chunk_seq[padded // chunk]
+    offset = padded - first_chunk[padded_seq] * chunk
+    is_token = (offset < lengths[padded_seq]) & (padded // chunk < first_chunk[-1])
+    source = jnp.clip(cu_seqlens[padded_seq] + offset, 0, seq_len - 1)
+    return _Packed(position, source, is_token, chunk_seq, reset, last_chunk, lengths > 0, num_chunks)
 
 
 def _to_chunks(x: jax.Array | None, chunk: int, packed: _Packed | None) -> jax.Array | None:
@@ -151,7 +159,7 @@ def _to_chunks(x: jax.Array | None, chunk: int, packed: _Packed | None) -> jax.A
         x = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - seq_len), (0, 0), (0, 0)))
     else:
         num_chunks = packed.num_chunks
-        x = jnp.zeros((1, num_chunks * chunk, heads, dim), x.dtype).at[0, packed.position].set(x[0])
+        x = jnp.where(packed.is_token[None, :, None, None], x[:, packed.source], 0)
     return x.reshape(batch, num_chunks, chunk, heads, dim).transpose(0, 3, 1, 2, 4)
 
 
