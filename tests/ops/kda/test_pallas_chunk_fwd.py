@@ -1,62 +1,149 @@
-"""The Pallas chunked KDA forward (interpret mode on the CPU) against a float64 recurrence."""
+"""The Pallas chunked KDA forward (interpret mode on the CPU) against the float64 reference.
+
+Every kernel runs here in Pallas' interpret mode; `test_lowers_to_triton` also lowers the whole
+pipeline to Triton IR for an H200 (no GPU needed), so an unsupported primitive fails in CI too.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
+from hybrax.core import lookup
+from hybrax.ops.kda import api, reference
+from hybrax.ops.kda import pallas_chunk_fwd  # noqa: F401  (registers pallas:chunked)
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 
 
-def naive_kda(q, k, v, g, beta, initial_state, scale, l2_normalize):
-    """float64 recurrence: decay first, then the delta rule on the decayed state."""
-    batch, length, heads, dk = q.shape
-    value_heads, dv = v.shape[2], v.shape[3]
-    group = value_heads // heads
-    if l2_normalize:
-        q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6)
-        k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
-    state = np.zeros((batch, value_heads, dk, dv)) if initial_state is None else initial_state.copy()
-    out = np.zeros((batch, length, value_heads, dv))
-    for t in range(length):
-        for h in range(value_heads):
-            qt, kt = q[:, t, h // group], k[:, t, h // group]
-            s = state[:, h] * np.exp(g[:, t, h])[:, :, None]
-            error = v[:, t, h] - np.einsum("bkv,bk->bv", s, kt)
-            s = s + beta[:, t, h, None, None] * kt[:, :, None] * error[:, None, :]
-            state[:, h] = s
-            out[:, t, h] = np.einsum("bkv,bk->bv", s, scale * qt)
-    return out, state
-
-
-def inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, gate_floor=None):
+def inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates=False):
     q = normal(seed, (batch, length, heads, dk), dtype)
     k = normal(seed + 1, (batch, length, heads, dk), dtype)
     v = normal(seed + 2, (batch, length, value_heads, dv), dtype)
-    g = jax.nn.log_sigmoid(normal(seed + 3, (batch, length, value_heads, dk), jnp.float32, 2.0) + 2.0)
-    if gate_floor is not None:
-        # Some tokens forget everything: gates of -1000 must underflow, never overflow.
-        hard = jax.random.bernoulli(jax.random.key(seed + 4), 0.1, g.shape[:3])
-        g = jnp.where(hard[..., None], gate_floor, g)
-    beta = jax.nn.sigmoid(normal(seed + 5, (batch, length, value_heads), jnp.float32))
+    g = jax.nn.log_sigmoid(normal(seed + 3, (batch, length, value_heads, dk), scale=2.0) + 2.0)
+    if hard_gates:
+        # One token in ten forgets everything: gates of -1000 must underflow, never overflow.
+        forget = jax.random.bernoulli(jax.random.key(seed + 4), 0.1, g.shape[:3])
+        g = jnp.where(forget[..., None], -1000.0, g)
+    beta = jax.nn.sigmoid(normal(seed + 5, (batch, length, value_heads)))
     return q, k, v, g, beta
 
 
 def check(seed, batch, length, heads, value_heads, dk, dv, dtype=jnp.float32, *, with_state=False,
-          l2_normalize=True, gate_floor=None, tol=None):
-    q, k, v, g, beta = inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, gate_floor)
-    h0 = normal(seed + 6, (batch, value_heads, dk, dv), jnp.float32, 0.5) if with_state else None
-    scale = dk ** -0.5
-    out, final = kda_chunk_fwd(q, k, v, g, beta, h0, scale=scale, l2_normalize=l2_normalize, interpret=True)
-    ref_out, ref_final = naive_kda(*(to64(x) for x in (q, k, v, g, beta)), to64(h0), scale, l2_normalize)
-    tol = TOLERANCE[dtype] if tol is None else tol
+          l2_normalize=True, hard_gates=False, chunk=64, tol=None):
+    q, k, v, g, beta = inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates)
+    h0 = normal(seed + 6, (batch, value_heads, dk, dv), scale=0.5) if with_state else None
+    scale = dk**-0.5
+    out, final = kda_chunk_fwd(
+        q, k, v, g, beta, h0, scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=True
+    )
+    ref_out, ref_final = reference.kda_canonical(
+        *(to64(x) for x in (q, k, v, beta, g)), to64(h0), scale=scale, use_qk_l2norm=l2_normalize
+    )
     assert out.dtype == dtype and final.dtype == jnp.float32
+    tol = TOLERANCE[dtype] if tol is None else tol
     assert_close(out, ref_out, tol, "output")
     assert_close(final, ref_final, tol, "final state")
 
 
-def test_fp32_two_chunks():
-    check(0, 2, 128, 2, 2, 32, 32)
+def test_two_chunks_with_initial_state():
+    check(0, 2, 128, 2, 2, 32, 32, with_state=True)
+
+
+@pytest.mark.parametrize("length", [1, 70])
+def test_lengths_off_the_chunk(length):
+    check(10, 1, length, 1, 1, 16, 16)
+
+
+def test_grouped_value_heads_and_odd_head_dims():
+    # HV = 2 H; K and V of no power of two are padded to 32 and 64 inside.
+    check(20, 1, 80, 1, 2, 24, 40, with_state=True)
+
+
+def test_gates_of_minus_1000():
+    # After a -1000 gate the fp32 cumulative gate sits near -1000, where its rounding step is 6e-5:
+    # decays between later tokens carry that absolute error (as in every chunked cumsum scheme).
+    check(30, 1, 128, 2, 2, 16, 32, hard_gates=True, with_state=True, tol=3e-4)
+
+
+def test_without_l2_norm():
+    # Raw keys make A_kk large: the triangular inverse is exercised far from the identity.
+    check(40, 1, 64, 1, 1, 16, 16, l2_normalize=False)
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_smaller_chunks(chunk):
+    check(50, 1, 96, 1, 1, 32, 16, chunk=chunk, with_state=True)
+
+
+def test_bf16():
+    check(60, 1, 128, 2, 2, 64, 64, jnp.bfloat16, with_state=True)
+
+
+def public_inputs(seed, dtype=jnp.float32, length=40):
+    q = normal(seed, (2, length, 1, 16), dtype)
+    k = normal(seed + 1, (2, length, 1, 16), dtype)
+    v = normal(seed + 2, (2, length, 2, 32), dtype)
+    raw_gate = normal(seed + 3, (2, length, 2, 16))
+    beta_logits = normal(seed + 4, (2, length, 2))
+    h0 = normal(seed + 5, (2, 2, 16, 32), scale=0.5)
+    gate = {"a_log": normal(seed + 6, (2,), scale=0.5), "dt_bias": normal(seed + 7, (2, 16)), "lower_bound": -5.0}
+    return (q, k, v, beta_logits, raw_gate, h0), gate
+
+
+def test_public_api_fused_gate_beta_logits_and_state():
+    args, gate = public_inputs(70)
+    out, final = api.kernel_delta_attention(*args, platform="pallas", return_state=True, beta_is_logits=True, **gate)
+    ref_out, ref_final = reference.kda_reference(
+        *(to64(x) for x in args), beta_is_logits=True, **{name: to64(x) for name, x in gate.items()}
+    )
+    assert_close(out, ref_out, TOLERANCE[jnp.float32], "output")
+    assert_close(final, ref_final, TOLERANCE[jnp.float32], "final state")
+
+
+def test_public_api_per_head_decay():
+    (q, k, v, beta_logits, _, _), _ = public_inputs(80)
+    decay = jax.nn.log_sigmoid(normal(88, (2, 40, 2)) + 1.0)
+    beta = jax.nn.sigmoid(beta_logits)
+    out = api.kernel_delta_attention(q, k, v, beta, decay, platform="pallas")
+    ref_out, _ = reference.kda_reference(*(to64(x) for x in (q, k, v, beta, decay)))
+    assert_close(out, ref_out, TOLERANCE[jnp.float32], "output")
+
+
+def test_gradient_matches_xla():
+    args, gate = public_inputs(90, length=24)
+
+    def loss(platform):
+        def f(q, k, v, beta_logits, raw_gate, h0):
+            out, final = api.kernel_delta_attention(
+                q, k, v, beta_logits, raw_gate, h0, platform=platform, return_state=True, beta_is_logits=True,
+                **gate,
+            )
+            return jnp.sum(out * jnp.cos(out)) + jnp.sum(final**2)
+
+        return jax.grad(f, argnums=tuple(range(6)))(*args)
+
+    assert_close(loss("pallas"), [to64(x) for x in loss("xla")], 1e-5, "gradient")
+
+
+def test_supports_falls_back_on_cu_seqlens():
+    q, k, v, g, beta = inputs(100, 1, 32, 1, 1, 16, 16, jnp.float32)
+    kernel = api.KernelDeltaAttention()
+    problem = kernel.prepare(q, k, v, beta, g, cu_seqlens=jnp.array([0, 10, 32], jnp.int32))
+    reason = lookup(api.OP_ID, "pallas", "chunked").supports(kernel.invocation(problem, "pallas"))
+    assert reason is not None and "cu_seqlens" in reason
+    plain = kernel.prepare(q, k, v, beta, g)
+    assert lookup(api.OP_ID, "pallas", "chunked").supports(kernel.invocation(plain, "pallas")) is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_to_triton(dtype):
+    shapes = [(1, 128, 2, 128), (1, 128, 2, 128), (1, 128, 2, 128), (1, 128, 2, 128), (1, 128, 2)]
+    dtypes = [dtype, dtype, dtype, jnp.float32, jnp.float32]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        lowered = jax.jit(lambda *a: kda_chunk_fwd(*a, scale=0.1)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3  # the three stages
+

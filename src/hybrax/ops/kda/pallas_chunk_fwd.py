@@ -5,22 +5,30 @@
     stage 3  pallas_chunk_output  o = qg h + A_qk v_new (per chunk)
 
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
->= 16; zero keys, values, gates and betas leave the state untouched) and crops the results.
+>= 16; zero keys, values, gates and betas leave the state untouched), crops the results, and
+registers the pipeline as `kernel_delta_attention`'s "pallas:chunked" implementation. Its gradient
+is, for now, the XLA chunked implementation's backward (which recomputes that forward): correct,
+not yet fast. Not supported yet (`auto` then picks XLA): cu_seqlens, K or V above 256.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from hybrax.core import Invocation, lookup, register, runtime_device
+from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_state import chunk_state
 
 MIN_TILE = 16
+MAX_HEAD_DIM = 256
 
 
 def _tile(size: int) -> int:
@@ -76,3 +84,54 @@ def kda_chunk_fwd(
     )
     o = chunk_output(qg, h, aqk, v_new, chunk=chunk, interpret=interpret)
     return o[:, :length, :, :dv], final_state[:, :, :dk, :dv]
+
+
+def _supports(inv: Invocation) -> str | None:
+    if not inv.static["use_chunked"]:
+        return "use_chunked=False asks for the recurrent scan"
+    if inv.arrays["cu_seqlens"] is not None:
+        return "cu_seqlens (packed sequences) is not supported yet"
+    dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
+    if max(dk, dv) > MAX_HEAD_DIM:
+        return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
+    if inv.arrays["q"].dtype not in (jnp.bfloat16, jnp.float32):
+        return f"needs bf16 or fp32 inputs, got {inv.arrays['q'].dtype}"
+    return None
+
+
+def _heuristic(inv: Invocation) -> KernelDeltaAttentionConfig:
+    # 64-token chunks (as fla): four 16-row sub-chunks per chunk, 64 serial steps per 4k tokens.
+    return KernelDeltaAttentionConfig(chunk_size=64)
+
+
+def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
+    return [KernelDeltaAttentionConfig(chunk_size=c) for c in (32, 64)]
+
+
+def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
+    decay = jnp.broadcast_to(problem.decay, (*problem.beta.shape, problem.q.shape[3]))
+    o, final = kda_chunk_fwd(
+        problem.q, problem.k, problem.v, decay, problem.beta, problem.initial_state,
+        scale=problem.scale, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size,
+        interpret=runtime_device() != "gpu",
+    )
+    return o.astype(problem.q.dtype), final
+
+
+def _forward(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[tuple[jax.Array, jax.Array], KdaProblem]:
+    return _pallas_chunked(problem, cfg), problem
+
+
+def _backward(cfg: KernelDeltaAttentionConfig, problem: KdaProblem, ct: Any) -> KdaProblem:
+    """The XLA chunked implementation's gradient (it recomputes its own forward) until a Pallas backward lands."""
+    xla = lookup(OP_ID, "xla", "chunked")
+    xla_cfg = dataclasses.replace(cfg, platform=xla.platform, backend=xla.backend)
+    _, pullback = jax.vjp(lambda p: xla(p, xla_cfg), problem)
+    return pullback(ct)[0]
+
+
+# Above xla:chunked (20) on a GPU; below the T == 1 decode kernel (40).
+register(
+    OP_ID, "pallas", "chunked", priority=30, devices=("gpu",), heuristic_cfg=_heuristic,
+    candidate_cfgs=_candidates, supports=_supports, fwd=_forward, bwd=_backward,
+)(_pallas_chunked)
