@@ -49,6 +49,17 @@ def _our_gradients(call, cfg, weights):
     return jax.jit(jax.grad(functools.partial(_loss, run, weights), argnums=argnums))(*call.args())
 
 
+def _reference_gradients(call, weights):
+    """jax.grad of the reference math in float64."""
+    with jax.enable_x64(True):
+        args64 = [a if name == "cu_seqlens" or a is None else jnp.asarray(a, jnp.float64)
+                  for name, a in zip(ARG_NAMES, call.args())]
+        reference = functools.partial(recurrent_reference, reverse=call.reverse, xp=jnp)
+        weights64 = [jnp.asarray(w, jnp.float64) for w in weights]
+        expected = jax.grad(functools.partial(_loss, reference, weights64), argnums=_present(call))(*args64)
+        return [np.asarray(e) for e in expected]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("reverse", [False, True])
@@ -56,15 +67,8 @@ def test_gradients_match_float64_reference(impl, layout, reverse):
     call = make_call(20, heads=4, kv_heads=2, key_dim=4, value_dim=3, reverse=reverse, **LAYOUTS[layout])
     weights = _weights(call)
     ours = _our_gradients(call, IMPLS[impl], weights)
-    argnums = _present(call)
-    with jax.enable_x64(True):
-        args64 = [a if name == "cu_seqlens" or a is None else jnp.asarray(a, jnp.float64)
-                  for name, a in zip(ARG_NAMES, call.args())]
-        reference = functools.partial(recurrent_reference, reverse=reverse, xp=jnp)
-        weights64 = [jnp.asarray(w, jnp.float64) for w in weights]
-        expected = jax.grad(functools.partial(_loss, reference, weights64), argnums=argnums)(*args64)
-        expected = [np.asarray(e) for e in expected]
-    for index, got, want in zip(argnums, ours, expected, strict=True):
+    expected = _reference_gradients(call, weights)
+    for index, got, want in zip(_present(call), ours, expected, strict=True):
         name = DIFFERENTIABLE[index]
         assert got.dtype == call.args()[index].dtype
         # Gate gradients are suffix sums of q*dq - k*dk (engine.py): when a decay is exactly zero the true
@@ -112,3 +116,15 @@ def test_gradients_under_vmap_and_checkpoint(impl):
             assert_close(got[index], np.asarray(want, np.float64), FP32)
         for got, want in zip(rematerialized(*call.args()), single, strict=True):
             assert_close(got, np.asarray(want, np.float64), FP32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_gradients(impl):
+    """bf16 query/key/value/state get bf16 gradients (fp32 gates fp32 ones) within bf16 rounding."""
+    call = make_call(40, seq_len=19, key_dim=4, value_dim=3, gates=("gk", "gv"), dtype=jnp.bfloat16)
+    call.arrays["initial_state"] = call.arrays["initial_state"].astype(jnp.bfloat16)
+    weights = _weights(call)
+    ours = _our_gradients(call, IMPLS[impl], weights)
+    for index, got, want in zip(_present(call), ours, _reference_gradients(call, weights), strict=True):
+        assert got.dtype == call.args()[index].dtype
+        assert_close(got, want, TOLERANCE[jnp.bfloat16], what=f"d{DIFFERENTIABLE[index]}")
