@@ -5,10 +5,12 @@ Run on the GPU machine (fla-core 0.6.0 wheel carried in .whl/):
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:src python3 benchmarks/kda_chunk_gpu.py
 
-For every shape it first checks correctness at full size (ours and fla against an fp32
-recurrence on the same inputs, and ours against fla), then times the forward (median of
-event-timed runs for torch, median over rounds of back-to-back jitted calls for JAX), the three
-Pallas stages alone, and reports peak memory. A short table is printed last; the full numbers go
+For every shape it checks correctness at full size (ours and fla against an fp32 recurrence on the
+same inputs), then times the forward of fla, ours (pallas:chunked) and our XLA chunked path, the
+three Pallas stages alone (first `--stages` shapes), and forward+backward with peak memory
+(median of event-timed runs for torch, median over rounds of back-to-back jitted calls for JAX;
+ours through the public `kernel_delta_attention`). Compiles are slow (fla autotunes ~70 s on its
+first call, our stage 1 compiles ~40 s): use --shapes and the --no-* flags to fit a 10-minute call. A short table is printed last; the full numbers go
 to $OUT/kda_chunk_gpu.json when OUT is set.
 """
 
@@ -29,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import print_table  # noqa: E402
 
-from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd  # noqa: E402
+from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_output import chunk_output  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state import chunk_state  # noqa: E402
@@ -100,73 +102,116 @@ def jax_memory_mb(fn, *args) -> float:
     return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes) / 2**20
 
 
-def fla_runner(q, k, v, g, beta):
+def fla_runner(q, k, v, g, beta, backward: bool):
     import torch
     from fla.ops.kda import chunk_kda
 
-    tq, tk, tv, tg, tb = (torch.utils.dlpack.from_dlpack(x) for x in (q, k, v, g, beta))
-    return lambda: chunk_kda(tq, tk, tv, tg, tb, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    tensors = [torch.utils.dlpack.from_dlpack(x) for x in (q, k, v, g, beta)]
+    if backward:
+        tensors = [t.detach().clone().requires_grad_() for t in tensors]
+
+    def forward():
+        return chunk_kda(*tensors, use_qk_l2norm_in_kernel=True, output_final_state=True)
+
+    if not backward:
+        return forward
+    d_out = torch.randn_like(tensors[2])
+    return lambda: torch.autograd.grad(forward()[0], tensors, d_out)
 
 
-def bench_shape(shape, check: bool, with_fla: bool, with_stages: bool) -> dict:
+def ours_runners(platform: str, scale: float):
+    """(forward, forward+backward) through the public API on one implementation."""
+    cfg = KernelDeltaAttentionConfig(platform=platform, backend="chunked", chunk_size=64)
+
+    def forward(q, k, v, g, beta):
+        return kernel_delta_attention(q, k, v, beta, g, softmax_scale=scale, return_state=True, cfg=cfg)
+
+    def loss(q, k, v, g, beta, d_out):
+        return jnp.sum(forward(q, k, v, g, beta)[0].astype(jnp.float32) * d_out)
+
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def torch_peak_mb(fn) -> float:
     import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def time_stages(row: dict, q, k, v, g, beta, scale: float) -> None:
+    """Each Pallas stage alone, on the inputs it sees inside the pipeline."""
+    intra = jax.jit(lambda q, k, v, g, beta: chunk_intra(q, k, v, g, beta, scale=scale, l2_normalize=True))
+    w, u, kg, qg, aqk, decay = intra(q, k, v, g, beta)
+    state = jax.jit(lambda w, u, kg, decay: chunk_state(w, u, kg, decay, None))
+    h, v_new, _ = state(w, u, kg, decay)
+    output = jax.jit(chunk_output)
+    row["intra_ms"] = f"{time_jax(intra, q, k, v, g, beta):.3f}"
+    row["state_ms"] = f"{time_jax(state, w, u, kg, decay):.3f}"
+    row["output_ms"] = f"{time_jax(output, qg, h, aqk, v_new):.3f}"
+
+
+def bench_shape(shape, args, index: int) -> dict:
     from triton.testing import do_bench
 
     batch, length, heads, dim = shape
     row = {"shape": f"({batch},{length},{heads},{dim})"}
     q, k, v, g, beta = make_inputs(0, *shape)
+    d_out = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
     scale = dim ** -0.5
-    ours = jax.jit(lambda q, k, v, g, beta: kda_chunk_fwd(q, k, v, g, beta, scale=scale))
+    ours, ours_grad = ours_runners("pallas", scale)
 
-    if check:
-        out, final = jax.block_until_ready(ours(q, k, v, g, beta))
-        log(f"{shape} ours compiled and ran")
+    out, final = jax.block_until_ready(ours(q, k, v, g, beta))
+    log(f"{shape} ours compiled and ran")
+    if not args.no_check:
         ref_out, ref_final = jax.block_until_ready(recurrence_fp32(q, k, v, g, beta))
         row["err_ours"] = f"{rel(out.astype(jnp.float32), ref_out):.1e}"
         row["err_state"] = f"{rel(final, ref_final):.1e}"
-        log(f"{shape} fp32 recurrence ran: {row}")
     row["pallas_ms"] = f"{time_jax(ours, q, k, v, g, beta):.3f}"
-    log(f"{shape} timed ours: {row}")
-    if with_fla:
-        fla = fla_runner(q, k, v, g, beta)
-        if check:
-            fla_out, fla_final = fla()
-            torch.cuda.synchronize()
+    log(f"{shape} {row}")
+    if not args.no_fla:
+        fla = fla_runner(q, k, v, g, beta, backward=False)
+        if not args.no_check:
+            fla_out = fla()[0]
             fla_out = np.asarray(jnp.from_dlpack(fla_out.float().contiguous()))
             row["err_fla"] = f"{rel(fla_out, ref_out):.1e}"
-            row["ours_vs_fla"] = f"{rel(out.astype(jnp.float32), fla_out):.1e}"
         fla_ms = do_bench(fla, warmup=25, rep=100, return_mode="median")
         row["fla_ms"] = f"{fla_ms:.3f}"
         row["ratio"] = f"{float(row['pallas_ms']) / fla_ms:.2f}"
-        log(f"{shape} timed fla: {row}")
-    if with_stages:
-        # Each stage alone, on the inputs it sees inside the pipeline.
-        intra = jax.jit(lambda q, k, v, g, beta: chunk_intra(q, k, v, g, beta, scale=scale, l2_normalize=True))
-        w, u, kg, qg, aqk, decay = intra(q, k, v, g, beta)
-        state = jax.jit(lambda w, u, kg, decay: chunk_state(w, u, kg, decay, None))
-        h, v_new, _ = state(w, u, kg, decay)
-        output = jax.jit(chunk_output)
-        row["intra_ms"] = f"{time_jax(intra, q, k, v, g, beta):.3f}"
-        row["state_ms"] = f"{time_jax(state, w, u, kg, decay):.3f}"
-        row["output_ms"] = f"{time_jax(output, qg, h, aqk, v_new):.3f}"
-        log(f"{shape} timed stages: {row}")
-    if not with_fla:
-        return row
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fla()
-    torch.cuda.synchronize()
-    row["fla_fwd_MB"] = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.0f}"
-    row["pallas_fwd_MB"] = f"{jax_memory_mb(ours, q, k, v, g, beta):.0f}"
+        log(f"{shape} {row}")
+    if not args.no_xla:
+        xla, xla_grad = ours_runners("xla", scale)
+        row["xla_ms"] = f"{time_jax(xla, q, k, v, g, beta):.3f}"
+        log(f"{shape} {row}")
+    if index < args.stages:
+        time_stages(row, q, k, v, g, beta, scale)
+        log(f"{shape} {row}")
+    if not args.no_bwd:
+        row["pallas_fb_ms"] = f"{time_jax(ours_grad, q, k, v, g, beta, d_out):.3f}"
+        row["pallas_fb_MB"] = f"{jax_memory_mb(ours_grad, q, k, v, g, beta, d_out):.0f}"
+        if not args.no_xla:
+            row["xla_fb_ms"] = f"{time_jax(xla_grad, q, k, v, g, beta, d_out):.3f}"
+        if not args.no_fla:
+            fla_fb = fla_runner(q, k, v, g, beta, backward=True)
+            fla_fb_ms = do_bench(fla_fb, warmup=10, rep=50, return_mode="median")
+            row["fla_fb_ms"] = f"{fla_fb_ms:.3f}"
+            row["fb_ratio"] = f"{float(row['pallas_fb_ms']) / fla_fb_ms:.2f}"
+            row["fla_fb_MB"] = f"{torch_peak_mb(fla_fb):.0f}"
+        log(f"{shape} {row}")
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--no-check", action="store_true", help="skip the fp32 recurrence check")
     parser.add_argument("--no-fla", action="store_true")
-    parser.add_argument("--no-stages", action="store_true")
+    parser.add_argument("--no-xla", action="store_true", help="skip our XLA chunked path")
+    parser.add_argument("--no-bwd", action="store_true", help="forward only")
+    parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
     import torch
@@ -175,7 +220,7 @@ def main() -> None:
     rows = []
     for shape in SHAPES[: args.shapes]:
         try:
-            rows.append(bench_shape(shape, not args.no_check, not args.no_fla, not args.no_stages))
+            rows.append(bench_shape(shape, args, len(rows)))
         except Exception as exc:  # keep the other shapes' numbers
             traceback.print_exc()
             rows.append({"shape": str(shape), "error": f"{type(exc).__name__}: {exc}"[:200]})
@@ -183,8 +228,9 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    columns = ["shape", "err_ours", "err_state", "err_fla", "ours_vs_fla", "fla_ms", "pallas_ms", "ratio",
-               "intra_ms", "state_ms", "output_ms", "fla_fwd_MB", "pallas_fwd_MB", "error"]
+    columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
+               "intra_ms", "state_ms", "output_ms", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
+               "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
 
 
