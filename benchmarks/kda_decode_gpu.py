@@ -197,7 +197,8 @@ def bench_case(batch: int, heads: int, steps: int, with_fla: bool, variants, int
     slots = jax.random.permutation(jax.random.key(1), batch).astype(jnp.int32)
     pool_step = functools.partial(pallas_step, slots=slots, **launch)
     vfirst_step = functools.partial(pallas_step, state_v_first=True, **launch)
-    for name, step in (("pool_us", pool_step), ("vfirst_us", vfirst_step), ("xla_us", xla_step))[:3 if extras else 0]:
+    others = (("pool_us", pool_step), ("vfirst_us", vfirst_step), ("xla_us", xla_step)) if extras else ()
+    for name, step in others:
         seconds, state = time_loop(decode_loop(step, steps), state, inputs, steps)
         row[name] = seconds * 1e6
     if fla is not None:

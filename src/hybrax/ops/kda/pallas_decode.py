@@ -193,13 +193,13 @@ def fused_recurrent_decode(
     )(*arrays)
 
 
-def _is_power_of_two(n: int) -> bool:
+def _is_tile_size(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
 def tile_reason(dk: int, dv: int) -> str | None:
     """Why the kernel cannot take these head sizes (Triton tiles are powers of two), or None."""
-    if not (_is_power_of_two(dk) and _is_power_of_two(dv)) or dk > 256:
+    if not (_is_tile_size(dk) and _is_tile_size(dv)) or dk > 256:
         return f"needs K and V powers of two in [16, 256] (Triton tiles), got K={dk}, V={dv}"
     return None
 
