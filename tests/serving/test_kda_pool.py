@@ -162,3 +162,16 @@ def test_invalid_arguments_are_named(change, message):
     pool, slots = arguments.pop("pool"), arguments.pop("slots")
     with pytest.raises(ValueError, match=message):
         kda_decode_pool(q, k, v, g, beta, pool, slots, platform="xla", **arguments)
+
+
+def test_autotune_inputs_have_distinct_slots():
+    """Candidates are timed on slots that cannot race: distinct rows, -1 past the pool's end."""
+    from hybrax.serving import KdaDecodePool
+
+    kernel = KdaDecodePool()
+    inputs = step_inputs(60, 4, 1, "activated")
+    problem = kernel.prepare(*inputs, jnp.zeros((3, HV, K, V)), jnp.zeros((4,), jnp.int32),
+                             token_slots=jnp.zeros((4, 1), jnp.int32))
+    tuned = kernel.autotune_problem(kernel.invocation(problem, "pallas"), jax.random.key(0))
+    np.testing.assert_array_equal(tuned.slots, [0, 1, 2, -1])
+    np.testing.assert_array_equal(tuned.token_slots[:, 0], [0, 1, 2, -1])
