@@ -34,24 +34,10 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, register
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.xla_scan import kda_single_step
+from hybrax.ops.kda.xla_scan import kda_single_step, l2_normalize
 
 GATES = ("activated", "softplus", "bounded")
-L2_EPS = 1e-6
 MAX_UNROLLED_TOKENS = 8
-SOFTPLUS_THRESHOLD = 20.0  # softplus(x) == x in fp32 beyond it (fla's threshold)
-
-
-def _softplus(x: jax.Array) -> jax.Array:
-    return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
-
-
-def _sigmoid(x: jax.Array) -> jax.Array:
-    return 1.0 / (1.0 + jnp.exp(-x))
-
-
-def _l2_normalize(x: jax.Array) -> jax.Array:
-    return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
 
 
 def _log_decay(raw, a_log_ref, dt_bias_ref, lower_bound, head, gate: str):
@@ -62,8 +48,8 @@ def _log_decay(raw, a_log_ref, dt_bias_ref, lower_bound, head, gate: str):
         raw = raw + dt_bias_ref[head, :].astype(jnp.float32)
     rate = 1.0 if a_log_ref is None else jnp.exp(a_log_ref[head].astype(jnp.float32))
     if gate == "softplus":
-        return -rate * _softplus(raw)
-    return lower_bound * _sigmoid(rate * raw)
+        return -rate * jax.nn.softplus(raw)
+    return lower_bound * jax.nn.sigmoid(rate * raw)
 
 
 def _decode_kernel(
@@ -92,10 +78,10 @@ def _decode_kernel(
         q = q_ref[b, t, head // group, :].astype(jnp.float32)
         k = k_ref[b, t, head // group, :].astype(jnp.float32)
         if use_qk_l2norm:
-            q, k = _l2_normalize(q), _l2_normalize(k)
+            q, k = l2_normalize(q), l2_normalize(k)
         decay = _log_decay(g_ref[b, t, head, :].astype(jnp.float32), a_log_ref, dt_bias_ref, lower_bound, head, gate)
         beta = beta_ref[b, t, head].astype(jnp.float32)
-        beta = _sigmoid(beta) if beta_is_logits else beta
+        beta = jax.nn.sigmoid(beta) if beta_is_logits else beta
         state = state * along_keys(jnp.exp(decay))
         error = v_ref[b, t, head, cols].astype(jnp.float32) - jnp.sum(state * along_keys(k), axis=key_axis)
         state = state + along_keys(k) * along_values(beta * error)
