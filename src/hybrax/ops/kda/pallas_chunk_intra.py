@@ -69,14 +69,18 @@ def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
     return inverse
 
 
-def _diagonal_block(left: jax.Array, k: jax.Array, gates: jax.Array, strict: bool) -> jax.Array:
-    """sum_c left[i, c] k[j, c] exp(G[i, c] - G[j, c]) on one sub-chunk, masked to j < i (j <= i)."""
-    exponent = jnp.minimum(gates[:, None, :] - gates[None, :, :], 0.0)
-    block = jnp.sum(left[:, None, :] * k[None, :, :] * jnp.exp(exponent), axis=2)
-    rows = lax.broadcasted_iota(jnp.int32, block.shape, 0)
-    cols = lax.broadcasted_iota(jnp.int32, block.shape, 1)
-    keep = rows > cols if strict else rows >= cols
-    return jnp.where(keep, block, 0.0)
+def _diagonal_blocks(k_beta: jax.Array, q: jax.Array, k: jax.Array, gates: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A_kk (j < i) and A_qk (j <= i) on one sub-chunk: sum_c left[i, c] k[j, c] exp(G[i, c] - G[j, c]).
+
+    Both share the [16, 16, K] exponentials, the costliest part of the stage.
+    """
+    decay = jnp.exp(jnp.minimum(gates[:, None, :] - gates[None, :, :], 0.0))
+    k_decayed = k[None, :, :] * decay
+    akk = jnp.sum(k_beta[:, None, :] * k_decayed, axis=2)
+    aqk = jnp.sum(q[:, None, :] * k_decayed, axis=2)
+    rows = lax.broadcasted_iota(jnp.int32, akk.shape, 0)
+    cols = lax.broadcasted_iota(jnp.int32, akk.shape, 1)
+    return jnp.where(rows > cols, akk, 0.0), jnp.where(rows >= cols, aqk, 0.0)
 
 
 def _intra_kernel(
@@ -113,10 +117,8 @@ def _intra_kernel(
         k_beta = keys[a] * betas[a][:, None]
         kg_ref[rows, :] = (keys[a] * jnp.exp(last[None, :] - gates[a])).astype(kg_ref.dtype)
         qg_ref[rows, :] = (queries[a] * jnp.exp(gates[a])).astype(qg_ref.dtype)
-        akk[a, a] = _diagonal_block(k_beta, keys[a], gates[a], strict=True)
-        aqk_ref[rows, pl.ds(a * SUB, SUB)] = _diagonal_block(queries[a], keys[a], gates[a], strict=False).astype(
-            aqk_ref.dtype
-        )
+        akk[a, a], aqk_diagonal = _diagonal_blocks(k_beta, queries[a], keys[a], gates[a])
+        aqk_ref[rows, pl.ds(a * SUB, SUB)] = aqk_diagonal.astype(aqk_ref.dtype)
         to_start = jnp.exp(gates[a] - starts[a][None, :])
         for b in range(a):
             right = keys[b] * jnp.exp(starts[a][None, :] - gates[b])
