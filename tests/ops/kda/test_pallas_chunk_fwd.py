@@ -127,6 +127,23 @@ def test_gradient_matches_xla():
     assert_close(loss("pallas"), [to64(x) for x in loss("xla")], 1e-5, "gradient")
 
 
+def test_vmap_and_checkpoint_match_xla():
+    q, k, v, g, beta = inputs(95, 3, 20, 1, 1, 16, 16, jnp.float32)
+    stacked = [x[:, None] for x in (q, k, v, beta, g)]  # a vmapped axis over batches of one
+
+    def vmapped(platform):
+        return jax.vmap(lambda *a: api.kernel_delta_attention(*a, platform=platform))(*stacked)
+
+    def checkpointed_grad(platform):
+        def f(q):
+            return api.kernel_delta_attention(q, k, v, beta, g, platform=platform)
+
+        return jax.grad(lambda q: jnp.sum(jax.checkpoint(f)(q) ** 2))(q)
+
+    assert_close(vmapped("pallas"), to64(vmapped("xla")), 1e-5, "vmapped output")
+    assert_close(checkpointed_grad("pallas"), to64(checkpointed_grad("xla")), 1e-5, "checkpointed gradient")
+
+
 def test_supports_falls_back_on_cu_seqlens():
     q, k, v, g, beta = inputs(100, 1, 32, 1, 1, 16, 16, jnp.float32)
     kernel = api.KernelDeltaAttention()
