@@ -11,7 +11,12 @@ import numpy as np
 
 from hybrax import Attention, AttentionConfig, MaskInfo, attention
 from hybrax.ops.attention import reference, scores
-from tests.helpers import normal, to64
+from tests.helpers import to64
+
+def normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    """N(0, 1) draws from NumPy: jax.random would compile a sampler for every new shape (~0.5 s each)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+
 
 # Small tiles so the blockwise tests cover several tiles, ragged last tiles and skipped tiles.
 IMPLS = {
@@ -36,6 +41,14 @@ class Call:
     def run(self, cfg: AttentionConfig, **overrides: Any) -> jax.Array:
         return attention(self.query, self.key, self.value, self.bias, self.options.get("dropout_rng"),
                          self.sinks, **self._keywords(), cfg=cfg, **overrides)
+
+    def run_jit(self, cfg: AttentionConfig, **overrides: Any) -> jax.Array:
+        """`run` under jit, with the arrays as arguments (closed-over constants would be folded)."""
+
+        def fn(q, k, v, bias, sinks):
+            return dataclasses.replace(self, query=q, key=k, value=v, bias=bias, sinks=sinks).run(cfg, **overrides)
+
+        return jax.jit(fn)(self.query, self.key, self.value, self.bias, self.sinks)
 
     def _keywords(self) -> dict[str, Any]:
         return {k: v for k, v in self.options.items() if k != "dropout_rng"}

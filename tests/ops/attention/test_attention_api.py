@@ -12,8 +12,8 @@ import pytest
 
 from hybrax import Attention, AttentionConfig, MaskInfo, attention, create_default_executor
 from hybrax.ops.attention import reference
-from tests.helpers import TOLERANCE, assert_close, normal
-from tests.ops.attention.inputs import IMPLS
+from tests.helpers import TOLERANCE, assert_close
+from tests.ops.attention.inputs import IMPLS, normal
 
 
 def _qkv(batch=2, q_len=10, kv_len=14, heads=4, kv_heads=2, dim=8, dtype=jnp.float32):

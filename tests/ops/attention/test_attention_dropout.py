@@ -10,8 +10,8 @@ import pytest
 
 from hybrax import Attention, attention
 from hybrax.ops.attention import scores
-from tests.helpers import TOLERANCE, assert_close, normal
-from tests.ops.attention.inputs import IMPLS, make_call
+from tests.helpers import TOLERANCE, assert_close
+from tests.ops.attention.inputs import IMPLS, make_call, normal
 
 RATE = 0.25
 

@@ -13,26 +13,22 @@ from tests.ops.attention.inputs import IMPLS, make_call
 CASES = {
     "plain": {},
     "causal": dict(causal=True),
-    "causal_square": dict(causal=True, q_len=24, kv_len=24),
+    "causal_square_window": dict(causal=True, q_len=24, kv_len=24, sliding_window=(6, 3)),
     "causal_one_query_long_kv": dict(causal=True, q_len=1, kv_len=70),
     "causal_more_queries_than_keys": dict(causal=True, q_len=30, kv_len=11),
-    "window_int": dict(sliding_window=5),
-    "window_left_only_causal": dict(sliding_window=(6, 3), causal=True),
+    "window_int_and_scale": dict(sliding_window=5, softmax_scale=0.7),
     "window_asymmetric": dict(sliding_window=(2, 9)),
     "bias_per_head": dict(bias_heads=4),
     "bias_per_kv_head": dict(bias_heads=2),
-    "bias_shared_batch1": dict(bias_heads=1, bias_batch=1),
+    "bias_batch1_shared_sinks": dict(bias_heads=1, bias_batch=1, sinks=(2,)),
     "soft_cap_after_bias": dict(bias_heads=4, logits_soft_cap=2.0),
-    "softmax_scale": dict(softmax_scale=0.7),
     "segments": dict(segments=True),
     "mask_shared_heads": dict(mask_heads=1),
     "mask_per_head_with_bias": dict(mask_heads=4, bias_heads=4),
     "sinks_per_head": dict(sinks=(4, 3)),
-    "sinks_shared": dict(sinks=(2,)),
-    "mha": dict(kv_heads=4),
+    "mha_same_head_dims": dict(kv_heads=4, v_dim=16),
     "mqa": dict(kv_heads=1),
     "gqa_4": dict(heads=8, kv_heads=2),
-    "same_head_dims": dict(v_dim=16),
     "everything": dict(causal=True, sliding_window=(7, 2), bias_heads=2, logits_soft_cap=3.0, mask_heads=1,
                        sinks=(4, 2), softmax_scale=0.3),
 }
@@ -42,7 +38,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_forward_fp32(case, impl):
     call = make_call(**CASES[case])
-    out = jax.jit(lambda: call.run(IMPLS[impl]))()
+    out = call.run_jit(IMPLS[impl])
     assert out.dtype == jnp.float32
     assert_close(out, call.reference(), TOLERANCE[jnp.float32], f"{case}/{impl}")
 
@@ -51,7 +47,7 @@ def test_forward_fp32(case, impl):
 @pytest.mark.parametrize("case", ["plain", "causal_one_query_long_kv", "everything", "segments", "gqa_4"])
 def test_forward_bf16(case, impl):
     call = make_call(**CASES[case], dtype=jnp.bfloat16)
-    out = call.run(IMPLS[impl])
+    out = call.run_jit(IMPLS[impl])
     assert out.dtype == jnp.bfloat16
     assert_close(out, call.reference(), TOLERANCE[jnp.bfloat16], f"{case}/{impl}")
 
@@ -59,7 +55,7 @@ def test_forward_bf16(case, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fp32_inputs_with_bf16_dtype_compute_in_bf16(impl):
     call = make_call(causal=True)
-    out = call.run(IMPLS[impl], dtype=jnp.bfloat16)
+    out = call.run_jit(IMPLS[impl], dtype=jnp.bfloat16)
     assert out.dtype == jnp.bfloat16
     error = assert_close(out, call.reference(), TOLERANCE[jnp.bfloat16])
     assert error > TOLERANCE[jnp.float32], "dtype=bfloat16 was ignored"

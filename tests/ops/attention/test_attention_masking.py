@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from hybrax import MaskInfo, attention
-from tests.helpers import normal
-from tests.ops.attention.inputs import IMPLS
+from tests.ops.attention.inputs import IMPLS, normal
 
 B, TQ, TK, H, D = 2, 12, 20, 2, 8
 
@@ -33,8 +32,7 @@ def _empty_row_options():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", ["padding_segment", "all_false_mask_row"])
-@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize(("case", "sinks"), [("padding_segment", False), ("all_false_mask_row", True)])
 def test_hidden_rows_give_zeros_and_zero_gradients(impl, case, sinks):
     q, k, v = _qkv()
     options, empty = _empty_row_options()[case]
