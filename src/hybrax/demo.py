@@ -35,7 +35,36 @@ def median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
 
 
 def attention_cases() -> list[Case]:
-    return []
+    """Both XLA implementations on causal GQA, and on a causal sliding window with sinks, a soft cap
+    and fewer queries than keys (shape: batch x Tq x Tk x heads/kv heads x head dim)."""
+    from hybrax import AttentionConfig, attention
+    from hybrax.ops.attention.reference import attention as attention_reference
+
+    rng = np.random.default_rng(0)
+    batch, seq_len, heads, kv_heads, dim = 2, 256, 8, 2, 64
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q, k, v = normal(batch, seq_len, heads, dim), normal(batch, seq_len, kv_heads, dim), normal(
+        batch, seq_len, kv_heads, dim)
+    calls = {  # name: (query, sinks, options)
+        "causal": (q, None, dict(causal=True)),
+        "swa,sinks": (q[:, -64:], normal(heads, 2), dict(causal=True, sliding_window=(96, 0), logits_soft_cap=20.0)),
+    }
+    cases = []
+    for name, (query, sinks, options) in calls.items():
+        for cfg in (AttentionConfig("xla", "direct"), AttentionConfig("xla", "blockwise", block_q=64, block_k=128)):
+            run = jax.jit(lambda q, k, v, s, cfg=cfg, options=options: attention(
+                q, k, v, None, None, s, cfg=cfg, **options))
+            cases.append(Case(
+                "attention", f"xla:{cfg.backend}",
+                f"{name} {batch}x{query.shape[1]}x{seq_len}x{heads}/{kv_heads}x{dim}",
+                run=lambda run=run, query=query, sinks=sinks: run(query, k, v, sinks),
+                reference=lambda query=query, sinks=sinks, options=options: attention_reference(
+                    query, k, v, softmax_aux=sinks, **options),
+            ))
+    return cases
 
 
 def recurrent_cases() -> list[Case]:
