@@ -260,6 +260,10 @@ def _backward(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> Atten
 
 
 def _heuristic(inv: Invocation) -> AttentionConfig:
+    # CPU: tiles that stay in cache were fastest at T=2048 (BENCHMARKS.md); elsewhere fewer, larger
+    # tiles mean fewer loop steps (not measured).
+    if inv.device == "cpu":
+        return AttentionConfig(block_q=128, block_k=256)
     return AttentionConfig(block_q=512, block_k=512)
 
 
