@@ -29,8 +29,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from hybrax.ops.kda.xla_scan import l2_normalize as unit_rows
+
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
-L2_EPS = 1e-6
 
 
 def _mm(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
@@ -50,10 +51,6 @@ def _row(x: jax.Array, index: int) -> jax.Array:
     """Row `index` of a register tile as a vector (Triton tiles cannot be sliced)."""
     rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
     return jnp.sum(jnp.where(rows == index, x, 0.0), axis=0)
-
-
-def _l2_normalize(x: jax.Array) -> jax.Array:
-    return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
 
 
 def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
@@ -101,7 +98,7 @@ def _intra_kernel(
         k = k_ref[rows, :].astype(jnp.float32)
         q = q_ref[rows, :].astype(jnp.float32)
         if l2_normalize:
-            k, q = _l2_normalize(k), _l2_normalize(q)
+            k, q = unit_rows(k), unit_rows(q)
         gates.append(cumulative)
         keys.append(k)
         queries.append(q * scale)
