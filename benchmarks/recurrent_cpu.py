@@ -27,10 +27,16 @@ from recurrent_ejkernel import SHAPE, make_inputs  # noqa: E402
 from timing import median_ms, print_table, run_in_ejkernel_env  # noqa: E402
 
 
-def _ours(cfg, inputs, reference):
-    forward = jax.jit(lambda q, k, v, gk: recurrent_attention(q, k, v, None, None, gk, cfg=cfg))
-    loss = lambda q, k, v, gk: jnp.sum(recurrent_attention(q, k, v, None, None, gk, cfg=cfg))  # noqa: E731
-    backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+# Eight packed sequences of uneven lengths (one of a single token) for the varlen rows.
+PACKED = (0, 100, 400, 401, 900, 1300, 1500, 2000, 2048)
+
+
+def _ours(cfg, inputs, reference, cu_seqlens=None):
+    def run(q, k, v, gk):
+        return recurrent_attention(q, k, v, None, None, gk, None, None, cu_seqlens, cfg=cfg)
+
+    forward = jax.jit(run)
+    backward = jax.jit(jax.grad(lambda *args: jnp.sum(run(*args)), argnums=(0, 1, 2, 3)))
     return {
         "forward_ms": median_ms(lambda: forward(*inputs)),
         "fwd_bwd_ms": median_ms(lambda: backward(*inputs)),
@@ -56,10 +62,16 @@ def main() -> None:
     }]
     configs = [RecurrentAttentionConfig("xla", "scan")] + [
         RecurrentAttentionConfig("xla", "chunked", chunk_size=c) for c in CHUNK_SIZES]
-    for cfg in configs:
-        ours = _ours(cfg, inputs, reference)
+    runs = [(cfg, None, reference) for cfg in configs]
+    if shape[0] == 1 and shape[1] == PACKED[-1]:
+        packed_reference, _ = recurrent_reference(*numpy_inputs[:3], None, None, numpy_inputs[3], None, None, PACKED)
+        cu_seqlens = jnp.asarray(PACKED, jnp.int32)
+        runs += [(cfg, cu_seqlens, packed_reference) for cfg in (configs[0], configs[3])]
+    for cfg, cu_seqlens, expected in runs:
+        ours = _ours(cfg, inputs, expected, cu_seqlens)
+        name = "ours scan" if cfg.backend == "scan" else f"ours chunked C={cfg.chunk_size}"
         rows.append({
-            "implementation": "ours scan" if cfg.backend == "scan" else f"ours chunked C={cfg.chunk_size}",
+            "implementation": name + (", 8 packed seqs" if cu_seqlens is not None else ""),
             "forward_ms": f"{ours['forward_ms']:.2f}",
             "fwd_bwd_ms": f"{ours['fwd_bwd_ms']:.2f}",
             "vs_ejkernel_fwd": f"{anchor['forward_ms'] / ours['forward_ms']:.1f}x",
