@@ -147,3 +147,13 @@ def test_explicit_blockwise_config_is_honoured():
     cfg = AttentionConfig(platform="xla", backend="blockwise", block_q=4, block_k=4)
     out = attention(q, k, v, causal=True, cfg=cfg)
     assert_close(out, reference.attention(q, k, v, causal=True), TOLERANCE[jnp.float32])
+
+
+def test_auto_at_long_length_needs_memory_linear_in_length():
+    """Compiled temp memory of forward and forward+backward, against the [Tq, Tk] scores (16 MiB)."""
+    spec = jax.ShapeDtypeStruct((1, 2048, 1, 16), jnp.float32)
+    forward = lambda q, k, v: attention(q, k, v, causal=True)  # noqa: E731
+    scores_bytes = 2048 * 2048 * 4
+    for fn in (forward, jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v)), argnums=(0, 1, 2))):
+        temp = jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+        assert temp < scores_bytes / 4, f"temp memory {temp / 2**20:.1f} MiB"
