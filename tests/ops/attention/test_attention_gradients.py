@@ -28,6 +28,14 @@ CASES = {
 }
 
 
+DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")
+
+
+def _arrays(call) -> dict:
+    """The call's differentiable arrays that are present, by name."""
+    return {name: getattr(call, name) for name in DIFFERENTIABLE if getattr(call, name) is not None}
+
+
 @functools.cache
 def _case(case: str, dtype=jnp.float32):
     """The call, its output cotangent and the reference gradients, shared by both implementations."""
@@ -36,55 +44,48 @@ def _case(case: str, dtype=jnp.float32):
     return call, cotangent, _reference_grads(call, cotangent)
 
 
-def _reference_grads(call, cotangent):
-    """jax.grad (jitted) of the reference math in float64 for (query, key, value, bias, sinks)."""
+def _reference_grads(call, cotangent) -> dict:
+    """jax.grad (jitted) of the reference math in float64, by array name."""
     with jax.enable_x64(True):
-        arrays = [None if a is None else jnp.asarray(to64(a)) for a in (call.query, call.key, call.value, call.bias, call.sinks)]
         seen, kwargs = call.seen(), call.reference_kwargs()
 
-        def loss(q, k, v, bias, sinks):
-            out = reference.attention_math(jnp, q, k, v, bias, sinks, seen=seen, **kwargs)
+        def loss(arrays):
+            out = reference.attention_math(
+                jnp, arrays["query"], arrays["key"], arrays["value"], arrays.get("bias"), arrays.get("sinks"),
+                seen=seen, **kwargs)
             return jnp.sum(out * jnp.asarray(cotangent, jnp.float64))
 
-        present = [i for i, a in enumerate(arrays) if a is not None]
-        grads = jax.jit(jax.grad(lambda *xs: loss(*[dict(zip(present, xs)).get(i) for i in range(5)]),
-                         argnums=tuple(range(len(present)))))(*[arrays[i] for i in present])
-        return [np.asarray(g) for g in grads], present
+        arrays = {name: jnp.asarray(to64(a)) for name, a in _arrays(call).items()}
+        return {name: np.asarray(g) for name, g in jax.jit(jax.grad(loss))(arrays).items()}
 
 
-def _grads(call, cfg, cotangent):
-    arrays = [call.query, call.key, call.value, call.bias, call.sinks]
-    present = [i for i, a in enumerate(arrays) if a is not None]
-
-    def loss(*xs):
-        given = dict(zip(present, xs))
-        q, k, v, bias, sinks = (given.get(i) for i in range(5))
-        run = lambda q, k, v: dataclasses.replace(call, query=q, key=k, value=v, bias=bias, sinks=sinks).run(cfg)
-        out = jax.checkpoint(run)(q, k, v)
+def _grads(call, cfg, cotangent) -> dict:
+    def loss(arrays):
+        out = jax.checkpoint(lambda arrays: dataclasses.replace(call, **arrays).run(cfg))(arrays)
         return jnp.sum(out.astype(jnp.float32) * cotangent)
 
-    return jax.jit(jax.grad(loss, argnums=tuple(range(len(present)))))(*[arrays[i] for i in present])
+    return jax.jit(jax.grad(loss))(_arrays(call))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", [c for c in CASES if c != "bf16"])
 def test_gradients_fp32(case, impl):
-    call, cotangent, (want, present) = _case(case)
+    call, cotangent, want = _case(case)
     got = _grads(call, IMPLS[impl], cotangent)
-    names = ["query", "key", "value", "bias", "sinks"]
-    for index, g, w in zip(present, got, want):
-        assert g.dtype == jnp.float32
+    assert got.keys() == want.keys()
+    for name in got:
+        assert got[name].dtype == jnp.float32
         # d sinks sums batch x queries terms of both signs (-P_sink * dO.O): the fp32 rounding of
         # each term survives the cancellation, so its relative error is a few 1e-5.
-        tol = 1e-4 if names[index] == "sinks" else TOLERANCE[jnp.float32]
-        assert_close(g, w, tol, f"d{names[index]} {case}/{impl}")
+        tol = 1e-4 if name == "sinks" else TOLERANCE[jnp.float32]
+        assert_close(got[name], want[name], tol, f"d{name} {case}/{impl}")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradients_bf16(impl):
-    call, cotangent, (want, _) = _case("bf16", jnp.bfloat16)
+    call, cotangent, want = _case("bf16", jnp.bfloat16)
     got = _grads(call, IMPLS[impl], cotangent)
-    for g, w in zip(got, want):
-        assert g.dtype == jnp.bfloat16
+    for name in got:
+        assert got[name].dtype == jnp.bfloat16
         # bf16 rounding of the probabilities and of dS before the matmuls: a few 1e-3 relative.
-        assert_close(g, w, 2 * TOLERANCE[jnp.bfloat16], f"{impl} bf16 grads")
+        assert_close(got[name], want[name], 2 * TOLERANCE[jnp.bfloat16], f"d{name} {impl} bf16")
