@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hybrax import RecurrentAttentionConfig, recurrent_attention
+from hybrax.ops.recurrent import xla_chunked
 from hybrax.ops.recurrent.xla_chunked import CHUNK_SIZES
 from tests.helpers import TOLERANCE, assert_close
 from tests.ops.recurrent.inputs import IMPLS, make_call
@@ -136,3 +137,12 @@ def test_jit_vmap_checkpoint(impl):
     output, final = jax.jit(jax.vmap(run))(*stacked)
     for index, single in enumerate((call, other)):
         assert_close((output[index], final[index]), single.reference(), FP32)
+
+
+@pytest.mark.parametrize("layout", ["batch", "packed"])
+def test_chunks_processed_in_groups(monkeypatch, layout):
+    """Small groups (3 rows of chunks, the last group padded) give the same answer as one pass."""
+    monkeypatch.setattr(xla_chunked, "GROUP_TOKENS", 3 * 16)
+    packed = [0, 0, 5, 22, 40] if layout == "packed" else None
+    call = make_call(13, g_per_key=True, cu_seqlens=packed)
+    assert_close(call.run(IMPLS["chunked"]), call.reference(), FP32)

@@ -33,6 +33,7 @@ from hybrax.ops.recurrent.api import OP_ID, RecurrentAttentionConfig
 from hybrax.ops.recurrent.engine import decay_state, forward, vjp_rules
 
 CHUNK_SIZES = (16, 32, 64, 128)
+GROUP_TOKENS = 1024  # tokens (per head) whose chunks are processed together; see _grouped_chunk_parts
 
 
 def _times(x: jax.Array, factor: jax.Array | None) -> jax.Array:
@@ -205,15 +206,19 @@ def _normalize_sides(log_k, log_v):
     return log_k, log_v
 
 
-def chunked_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAttentionConfig):
-    """The engine contract of `engine.py`: (o [B,T,H,V], final state)."""
-    chunk = cfg.chunk_size
-    if chunk < 1 or chunk & (chunk - 1):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk}")
-    seq_len = q.shape[1]
-    log_k, log_v = _normalize_sides(log_k, log_v)
-    packed = None if cu_seqlens is None else _packed_layout(cu_seqlens, seq_len, chunk)
-    q, k, v, log_k, log_v = (_to_chunks(x, chunk, packed) for x in (q, k, v, log_k, log_v))
+class _ChunkParts(NamedTuple):
+    """What each chunk computes on its own, before the states are passed between chunks."""
+
+    out: jax.Array  # intra-chunk output [..., C, V]
+    local: jax.Array  # the chunk's own contribution to its outgoing state [..., K, V]
+    q_in: jax.Array  # queries scaled by the decay since the chunk start [..., C, K]
+    decay_k: jax.Array | None  # decay over the whole chunk [..., K] (or [..., 1])
+    decay_v: jax.Array | None  # [..., V]
+    out_scale: jax.Array | None  # value-axis decay since the chunk start [..., C, V]
+
+
+def _chunk_parts(q, k, v, log_k, log_v) -> _ChunkParts:
+    chunk = q.shape[-2]
     decays_k = _block_decays(None if log_k is None else jnp.exp(log_k), chunk)
     decays_v = _block_decays(None if log_v is None else jnp.exp(log_v), chunk)
     if log_v is None and (log_k is None or log_k.shape[-1] == 1):
@@ -227,8 +232,47 @@ def chunked_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAtte
     if in_chunk_v is not None:
         v_out, decay_v, out_scale = v * in_chunk_v.after, in_chunk_v.upto[..., -1, :], in_chunk_v.upto
     local = jnp.einsum("...ck,...cv->...kv", k_out, v_out)
-    entering, final = _pass_states(local, decay_k, decay_v, h0, packed)
-    out = out + _times(jnp.einsum("...ck,...kv->...cv", q_in, entering), out_scale)
+    return _ChunkParts(out, local, q_in, decay_k, decay_v, out_scale)
+
+
+def _grouped_chunk_parts(arrays: tuple, chunk: int) -> _ChunkParts:
+    """`_chunk_parts` over [B,H,Nc,C,D] arrays, GROUP_TOKENS tokens at a time (`lax.map`): the dozens of
+    full-size intermediates of the intra-chunk levels then stay in cache (~2x faster on a CPU at T=2048-4096)."""
+    lead = arrays[0].shape[:3]
+    rows = lead[0] * lead[1] * lead[2]
+    group = max(1, GROUP_TOKENS // chunk)
+    if rows <= group:
+        return _chunk_parts(*arrays)
+    num_groups = -(-rows // group)
+
+    def grouped(x):  # [B,H,Nc,C,D] -> [groups, group, C, D]; zero rows pad (zero log gates: decay 1)
+        if x is None:
+            return None
+        x = x.reshape((rows,) + x.shape[3:])
+        x = jnp.pad(x, ((0, num_groups * group - rows),) + ((0, 0),) * (x.ndim - 1))
+        return x.reshape((num_groups, group) + x.shape[1:])
+
+    def ungrouped(x):
+        if x is None:
+            return None
+        return x.reshape((num_groups * group,) + x.shape[2:])[:rows].reshape(lead + x.shape[2:])
+
+    parts = jax.lax.map(lambda xs: _chunk_parts(*xs), tuple(map(grouped, arrays)))
+    return _ChunkParts(*map(ungrouped, parts))
+
+
+def chunked_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAttentionConfig):
+    """The engine contract of `engine.py`: (o [B,T,H,V], final state)."""
+    chunk = cfg.chunk_size
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk}")
+    seq_len = q.shape[1]
+    log_k, log_v = _normalize_sides(log_k, log_v)
+    packed = None if cu_seqlens is None else _packed_layout(cu_seqlens, seq_len, chunk)
+    chunks = tuple(_to_chunks(x, chunk, packed) for x in (q, k, v, log_k, log_v))
+    parts = _grouped_chunk_parts(chunks, chunk)
+    entering, final = _pass_states(parts.local, parts.decay_k, parts.decay_v, h0, packed)
+    out = parts.out + _times(jnp.einsum("...ck,...kv->...cv", parts.q_in, entering), parts.out_scale)
     return _from_chunks(out, seq_len, packed), final
 
 
