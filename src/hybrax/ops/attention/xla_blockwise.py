@@ -260,11 +260,11 @@ def _backward(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> Atten
 
 
 def _heuristic(inv: Invocation) -> AttentionConfig:
-    # CPU: tiles that stay in cache were fastest at T=2048 (BENCHMARKS.md); elsewhere fewer, larger
-    # tiles mean fewer loop steps (not measured).
+    # Measured at T=2048 / 8192 (BENCHMARKS.md): on the CPU tiles that stay in cache win; on an H200
+    # the fewest loop steps win (1024 beat 512 by 2x at T=8192).
     if inv.device == "cpu":
         return AttentionConfig(block_q=128, block_k=256)
-    return AttentionConfig(block_q=512, block_k=512)
+    return AttentionConfig(block_q=1024, block_k=1024)
 
 
 def _candidates(inv: Invocation) -> list[AttentionConfig]:
