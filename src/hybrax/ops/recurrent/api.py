@@ -106,6 +106,16 @@ def _check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_d
         check_shape("gv", gv, (batch, seq_len, num_heads, value_dim), "[batch, seq_len, num_heads, v_head_dim]")
 
 
+def _fold_gates(g, g_gamma, gk, tokens: tuple[int, int, int]) -> tuple[jax.Array | None, jax.Array | None]:
+    """(per-head scalar gate [B,T,H] = g [B,T,H] + g_gamma, key-axis gate [B,T,H,K] = g [B,T,H,K] + gk)."""
+    batch, _, num_heads = tokens
+    g_scalar = g if g is not None and jnp.ndim(g) == 3 else None
+    if g_gamma is not None:
+        gamma = jnp.broadcast_to(g_gamma, (batch, num_heads))
+        g_scalar = _add(g_scalar, jnp.broadcast_to(gamma[:, None, :], tokens))
+    return g_scalar, _add(g if g is not None and jnp.ndim(g) == 4 else None, gk)
+
+
 def _reverse_time(problem: RecurrentProblem) -> RecurrentProblem:
     """The same problem read from t = T-1 down to 0; sequence n of a packed batch becomes N-1-n."""
     flip = lambda x: None if x is None else jnp.flip(x, 1)  # noqa: E731
@@ -150,14 +160,11 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
             layout = "[num_seqs, num_heads, head_dim, v_head_dim]" if cu_seqlens is not None else (
                 "[batch, num_heads, head_dim, v_head_dim]")
             check_shape("initial_state", initial_state, (num_states, num_heads, key_dim, value_dim), layout)
-        g_scalar = g if g is not None and jnp.ndim(g) == 3 else None
-        if g_gamma is not None:
-            gamma = jnp.broadcast_to(g_gamma, (batch, num_heads))
-            g_scalar = _add(g_scalar, jnp.broadcast_to(gamma[:, None, :], (batch, seq_len, num_heads)))
+        g_scalar, g_key = _fold_gates(g, g_gamma, gk, (batch, seq_len, num_heads))
         problem = RecurrentProblem(
             query=query, key=key, value=value,
             g_scalar=g_scalar,
-            g_key=_add(g if g is not None and jnp.ndim(g) == 4 else None, gk),
+            g_key=g_key,
             g_value=gv,
             initial_state=initial_state,
             cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32),
