@@ -1,0 +1,99 @@
+"""XLA KDA (chunked, scan, single step) against the float64 reference: outputs, states, gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hybrax.ops.kda import reference
+from hybrax.ops.kda.api import KernelDeltaAttentionConfig, kernel_delta_attention
+from tests.helpers import TOLERANCE, assert_close, normal, to64
+
+B, T, H, HV, K, V = 2, 45, 2, 4, 8, 6
+CHUNKED = {c: KernelDeltaAttentionConfig("xla", "chunked", chunk_size=c) for c in (16, 32, 64)}
+SCAN = KernelDeltaAttentionConfig("xla", "scan")
+
+
+def inputs(length=T, batch=B, decay="channel", dtype=jnp.float32):
+    q, k = normal(0, (batch, length, H, K), dtype), normal(1, (batch, length, H, K), dtype)
+    v = normal(2, (batch, length, HV, V), dtype)
+    beta = jax.nn.sigmoid(normal(3, (batch, length, HV)))
+    shape = (batch, length, HV, K) if decay != "head" else (batch, length, HV)
+    g = -jax.nn.softplus(normal(4, shape))
+    if decay == "hard":  # some tokens forget everything: -1000 must underflow, never overflow
+        g = jnp.where(jax.random.bernoulli(jax.random.key(9), 0.1, shape), -1000.0, g)
+    if decay == "strong":
+        g = 5.0 * g
+    return q, k, v, beta, g, normal(5, (batch, HV, K, V), jnp.float32, 0.5)
+
+
+@pytest.mark.parametrize("decay", ["channel", "head", "hard", "strong"])
+@pytest.mark.parametrize("cfg", [*CHUNKED.values(), SCAN], ids=lambda c: f"{c.backend}{c.chunk_size}")
+def test_matches_reference(decay, cfg):
+    args = inputs(decay=decay)
+    out = kernel_delta_attention(*args, return_state=True, cfg=cfg)
+    assert_close(out, reference.kda_reference(*(to64(x) for x in args)), TOLERANCE[jnp.float32])
+
+
+def test_bf16():
+    args = inputs(dtype=jnp.bfloat16)
+    o, s = kernel_delta_attention(*args, return_state=True)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    assert_close((o, s), reference.kda_reference(*(to64(x) for x in args)), TOLERANCE[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("cfg", [CHUNKED[16], SCAN], ids=["chunked", "scan"])
+def test_varlen_with_empty_sequences(cfg):
+    cu = jnp.array([0, 3, 3, 30, 45], jnp.int32)
+    q, k, v, beta, g, _ = inputs(batch=1)
+    h0 = normal(6, (4, HV, K, V))
+    out = kernel_delta_attention(q, k, v, beta, g, h0, cu_seqlens=cu, return_state=True, cfg=cfg)
+    assert_close(out, reference.kda_reference(*(to64(x) for x in (q, k, v, beta, g, h0)), cu_seqlens=cu), 1e-5)
+
+
+def test_single_step_and_state_passthrough():
+    q, k, v, beta, g, h0 = inputs()
+    whole = kernel_delta_attention(q, k, v, beta, g, h0, return_state=True)
+    o1, s1 = kernel_delta_attention(q[:, :20], k[:, :20], v[:, :20], beta[:, :20], g[:, :20], h0, return_state=True)
+    o2, s2 = kernel_delta_attention(q[:, 20:], k[:, 20:], v[:, 20:], beta[:, 20:], g[:, 20:], s1, return_state=True)
+    assert_close((jnp.concatenate([o1, o2], 1), s2), jax.tree.map(to64, whole), 1e-5)
+    step = kernel_delta_attention(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], g[:, :1], h0, return_state=True)
+    assert_close(step, reference.kda_reference(*(to64(x[:, :1]) for x in (q, k, v, beta, g)), to64(h0)), 1e-5)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -3.0])
+@pytest.mark.parametrize("cu", [None, (0, 5, 5, 37)])
+def test_gradients_chunked_equal_scan(lower_bound, cu):
+    q, k, v, _, _, _ = inputs(length=37, batch=1)
+    beta, raw = normal(3, (1, 37, HV)), normal(4, (1, 37, HV, K))
+    a_log, dt_bias = normal(8, (HV,), scale=0.5), normal(9, (HV, K))
+    h0 = normal(6, (1 if cu is None else 3, HV, K, V))
+    cu = None if cu is None else jnp.array(cu, jnp.int32)
+    w, ws = normal(11, (1, 37, HV, V)), normal(12, h0.shape)
+
+    def loss(cfg):
+        def f(*a):
+            o, s = kernel_delta_attention(*a[:5], a[7], return_state=True, cfg=cfg, a_log=a[5], dt_bias=a[6],
+                                          lower_bound=lower_bound, beta_is_logits=True, cu_seqlens=cu)
+            return jnp.sum(o * w) + jnp.sum(s * ws)
+        return f
+
+    args = (q, k, v, beta, raw, a_log, dt_bias, h0)
+    want = jax.grad(loss(SCAN), argnums=tuple(range(8)))(*args)
+    got = jax.jit(jax.grad(loss(CHUNKED[16]), argnums=tuple(range(8))))(*args)
+    assert_close(got, jax.tree.map(to64, want), 1e-5, "gradients")
+
+
+def test_bad_inputs():
+    q, k, v, beta, g, h0 = inputs()
+    with pytest.raises(ValueError, match="beta"):
+        kernel_delta_attention(q, k, v, beta[:, :, :1], g)
+    with pytest.raises(ValueError, match="decay"):
+        kernel_delta_attention(q, k, v, beta, g[..., :3])
+    with pytest.raises(ValueError, match="initial_state"):
+        kernel_delta_attention(q, k, v, beta, g, h0[:1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        kernel_delta_attention(q, k, v, beta, g, chunk_size=48)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kernel_delta_attention(q, k, v, beta, g, cu_seqlens=jnp.array([0, 45], jnp.int32))
