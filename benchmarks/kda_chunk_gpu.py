@@ -17,6 +17,7 @@ to $OUT/kda_chunk_gpu.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import print_table  # noqa: E402
 
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk, chunk_local_cumsum  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_output import chunk_output  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state import chunk_state  # noqa: E402
@@ -144,13 +146,18 @@ def torch_peak_mb(fn) -> float:
 
 
 def time_stages(row: dict, q, k, v, g, beta, scale: float) -> None:
-    """Each Pallas stage alone, on the inputs it sees inside the pipeline."""
-    intra = jax.jit(lambda q, k, v, g, beta: chunk_intra(q, k, v, g, beta, scale=scale, l2_normalize=True))
-    w, u, kg, qg, aqk, decay = intra(q, k, v, g, beta)
+    """Each stage alone, on the inputs it sees inside the pipeline (stage 1 at 4 and 8 warps)."""
+    chunk = 64
+    prepare = jax.jit(lambda q, k, g: (*prepare_qk(q, k, scale, True), chunk_local_cumsum(g, chunk)))
+    qn, kn, gates = prepare(q, k, g)
+    row["prepare_ms"] = f"{time_jax(prepare, q, k, g):.3f}"
+    for warps in (4, 8):
+        intra = jax.jit(functools.partial(chunk_intra, chunk=chunk, num_warps=warps))
+        row[f"intra_w{warps}_ms"] = f"{time_jax(intra, qn, kn, v, gates, beta):.3f}"
+    w, u, kg, qg, aqk, decay = intra(qn, kn, v, gates, beta)
     state = jax.jit(lambda w, u, kg, decay: chunk_state(w, u, kg, decay, None))
     h, v_new, _ = state(w, u, kg, decay)
     output = jax.jit(chunk_output)
-    row["intra_ms"] = f"{time_jax(intra, q, k, v, g, beta):.3f}"
     row["state_ms"] = f"{time_jax(state, w, u, kg, decay):.3f}"
     row["output_ms"] = f"{time_jax(output, qg, h, aqk, v_new):.3f}"
 
@@ -229,7 +236,7 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "intra_ms", "state_ms", "output_ms", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
+               "prepare_ms", "intra_w4_ms", "intra_w8_ms", "state_ms", "output_ms", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
                "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
 

@@ -1,6 +1,7 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the three stages end to end.
 
-    stage 1  pallas_chunk_intra   gate cumsum, A_kk and its inverse, w, u, kg, qg, A_qk (per chunk)
+    stage 0  (XLA, one fusion each) q, k L2-normalized, q scaled; the chunk-local gate cumsum G
+    stage 1  pallas_chunk_intra   A_kk and its inverse, w, u, kg, qg, A_qk (per chunk)
     stage 2  pallas_chunk_state   the state pass, state on chip, serial over chunks
     stage 3  pallas_chunk_output  o = qg h + A_qk v_new (per chunk)
 
@@ -26,6 +27,7 @@ from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_state import chunk_state
+from hybrax.ops.kda.xla_scan import l2_normalize
 
 MIN_TILE = 16
 MAX_HEAD_DIM = 256
@@ -43,8 +45,24 @@ def _pad_to(x: jax.Array | None, sizes: dict[int, int]) -> jax.Array | None:
     return jnp.pad(x, widths) if any(w for _, w in widths) else x
 
 
+def chunk_local_cumsum(g: Float[Array, "B T HV K"], chunk: int) -> Float[Array, "B T HV K"]:
+    """G: the cumulative sum of the log decay within each chunk (fp32); T is a multiple of `chunk`."""
+    batch, length, heads, dk = g.shape
+    chunks = g.astype(jnp.float32).reshape(batch, length // chunk, chunk, heads, dk)
+    return jnp.cumsum(chunks, axis=2).reshape(g.shape)
+
+
+def prepare_qk(q: jax.Array, k: jax.Array, scale: float, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Unit-norm keys and queries (fp32 math, stored in the input dtype), queries scaled."""
+    dtype = q.dtype
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    if normalize:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return (q * scale).astype(dtype), k.astype(dtype)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "interpret")
+    jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "block_v", "intra_warps", "state_warps", "interpret")
 )
 def kda_chunk_fwd(
     q: Float[Array, "B T H K"],
@@ -58,6 +76,7 @@ def kda_chunk_fwd(
     l2_normalize: bool = True,
     chunk: int = 64,
     block_v: int = 32,
+    intra_warps: int = 4,
     state_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
@@ -72,13 +91,12 @@ def kda_chunk_fwd(
     dtype = v.dtype
     q, k = (_pad_to(x.astype(dtype), {1: padded_length, 3: kp}) for x in (q, k))
     v = _pad_to(v, {1: padded_length, 3: vp})
-    g = _pad_to(g.astype(jnp.float32), {1: padded_length, 3: kp})
+    q, k = prepare_qk(q, k, scale, l2_normalize)
+    g = chunk_local_cumsum(_pad_to(g.astype(jnp.float32), {1: padded_length, 3: kp}), chunk)
     beta = _pad_to(beta.astype(jnp.float32), {1: padded_length})
     initial_state = _pad_to(initial_state, {2: kp, 3: vp})
 
-    w, u, kg, qg, aqk, decay = chunk_intra(
-        q, k, v, g, beta, scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=interpret
-    )
+    w, u, kg, qg, aqk, decay = chunk_intra(q, k, v, g, beta, chunk=chunk, num_warps=intra_warps, interpret=interpret)
     h, v_new, final_state = chunk_state(
         w, u, kg, decay, initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps, interpret=interpret
     )

@@ -1,22 +1,25 @@
 """KDA chunked forward, stage 1 (Pallas, Triton lowering): everything local to one chunk.
 
-One program per (chunk, value head, batch). It takes the chunk's q, k, v, per-channel log decay g
-and beta and produces what the inter-chunk pass and the output stage need, so that neither
-touches the gates again:
+One program per (chunk, value head, batch). It takes the chunk's normalized, scaled queries q,
+normalized keys k, values v, the chunk-local cumulative log decay G (fp32, from
+`chunk_local_cumsum`) and beta, and produces what the inter-chunk pass and the output stage need,
+so that neither touches the gates again:
 
-    G    = cumsum(g) within the chunk (fp32)                       (never leaves the chip)
     w    = T (beta k exp(G)),  u = T (beta v),  T = (I + A_kk)^-1   (the WY / UT form)
     kg   = k exp(G_last - G)        keys decayed to the chunk's end (state update)
-    qg   = scale q exp(G)           queries decayed from the chunk's start (output)
-    A_qk = scale q_i . (k_j exp(G_i - G_j)),  j <= i               (intra-chunk attention)
+    qg   = q exp(G)                 queries decayed from the chunk's start (output)
+    A_qk = q_i . (k_j exp(G_i - G_j)),  j <= i                      (intra-chunk attention)
     decay = exp(G_last)             the chunk's total per-channel decay
 
 A_kk[i, j] = beta_i k_i . (k_j exp(G_i - G_j)) for j < i. No exponent here is ever positive: the
-chunk is cut into sub-chunks of 16 rows; a block below the diagonal splits exp(G_i - G_j) at
-the row r just before sub-chunk a (j <= r < i) into exp(G_i - G_r) exp(G_r - G_j), two factors
-<= 1, and a diagonal block takes exp(min(G_i - G_j, 0)) element by element over [16, 16, K].
-So gates of -1000 underflow to 0 instead of overflowing. The triangular inverse is blocked
-forward substitution: 16x16 diagonal blocks by row recurrence, off-diagonal blocks by matmuls.
+chunk is cut into sub-chunks of 16 rows; a block below the diagonal splits exp(G_i - G_j) at the
+row r just before sub-chunk a (j <= r < i) into exp(G_i - G_r) exp(G_r - G_j), two factors <= 1,
+and takes a matmul. A diagonal block goes column by column: column j needs exp(min(G_i - G_j, 0))
+over [16, K] only (row j of k and G read straight from the input block), so the working set stays
+a few [16, K] tiles instead of a [16, 16, K] tensor. Gates of -1000 underflow to 0 instead of
+overflowing. The triangular inverse is blocked: 16x16 diagonal blocks by doubling (log2(16)
+rounds of two matmuls on masked full tiles: Triton tiles cannot be sliced), the blocks below them
+by forward substitution with matmuls.
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.xla_scan import l2_normalize as unit_rows
-
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
+EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding: the triangular solve
 
 
 def _mm(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
@@ -47,82 +49,85 @@ def _mm_t(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
     )
 
 
-def _row(x: jax.Array, index: int) -> jax.Array:
-    """Row `index` of a register tile as a vector (Triton tiles cannot be sliced)."""
-    rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.sum(jnp.where(rows == index, x, 0.0), axis=0)
+def _grid(n: int) -> tuple[jax.Array, jax.Array]:
+    return lax.broadcasted_iota(jnp.int32, (n, n), 0), lax.broadcasted_iota(jnp.int32, (n, n), 1)
 
 
 def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
-    """(I + L)^-1 for a strictly lower 16x16 L, by forward substitution over its rows."""
+    """(I + L)^-1 for a strictly lower n x n L (n a power of two) by doubling the inverted blocks.
+
+    With X the inverse of the block diagonal of size s, the blocks of size 2s are
+    [[A, 0], [L21, B]]^-1 = [[A^-1, 0], [-B^-1 L21 A^-1, B^-1]], i.e. X - X L_s X where L_s keeps
+    only the L21 blocks. Masks select L_s, so every step is a full-tile matmul.
+    """
     n = strict_lower.shape[0]
-    rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    inverse = (rows == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(jnp.float32)
-    for i in range(1, n):
-        # Row i of the inverse is e_i - sum_{j<i} L[i, j] * (row j of the inverse); rows j < i are final.
-        coeffs = _row(strict_lower, i)
-        update = jnp.sum(coeffs[:, None] * inverse, axis=0)
-        inverse = jnp.where(rows == i, inverse - update[None, :], inverse)
+    rows, cols = _grid(n)
+    inverse = (rows == cols).astype(jnp.float32)
+    size = 1
+    while size < n:
+        link = ((rows // (2 * size)) == (cols // (2 * size))) & ((rows // size) > (cols // size))
+        coupling = _mm(jnp.where(link, strict_lower, 0.0), inverse, jnp.float32, EXACT)
+        inverse = inverse - _mm(inverse, coupling, jnp.float32, EXACT)
+        size *= 2
     return inverse
 
 
-def _diagonal_blocks(k_beta: jax.Array, q: jax.Array, k: jax.Array, gates: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A_kk (j < i) and A_qk (j <= i) on one sub-chunk: sum_c left[i, c] k[j, c] exp(G[i, c] - G[j, c]).
+def _diagonal_blocks(k_beta, q, gates, k_ref, g_ref, first_row: int) -> tuple[jax.Array, jax.Array]:
+    """A_kk (j < i) and A_qk (j <= i) on one sub-chunk, column by column.
 
-    Both share the [16, 16, K] exponentials, the costliest part of the stage.
+    Column j: sum_c left[i, c] k[j, c] exp(min(G[i, c] - G[j, c], 0)); the min only touches
+    entries above the diagonal (masked after), where it keeps exp from overflowing to inf * 0.
     """
-    decay = jnp.exp(jnp.minimum(gates[:, None, :] - gates[None, :, :], 0.0))
-    k_decayed = k[None, :, :] * decay
-    akk = jnp.sum(k_beta[:, None, :] * k_decayed, axis=2)
-    aqk = jnp.sum(q[:, None, :] * k_decayed, axis=2)
-    rows = lax.broadcasted_iota(jnp.int32, akk.shape, 0)
-    cols = lax.broadcasted_iota(jnp.int32, akk.shape, 1)
+    rows, cols = _grid(SUB)
+
+    def column(j, blocks):
+        akk, aqk = blocks
+        key = k_ref[first_row + j, :].astype(jnp.float32)
+        gate = g_ref[first_row + j, :]
+        decayed = key[None, :] * jnp.exp(jnp.minimum(gates - gate[None, :], 0.0))
+        akk = jnp.where(cols == j, jnp.sum(k_beta * decayed, axis=1)[:, None], akk)
+        aqk = jnp.where(cols == j, jnp.sum(q * decayed, axis=1)[:, None], aqk)
+        return akk, aqk
+
+    zeros = jnp.zeros((SUB, SUB), jnp.float32)
+    akk, aqk = lax.fori_loop(0, SUB, column, (zeros, zeros))
     return jnp.where(rows > cols, akk, 0.0), jnp.where(rows >= cols, aqk, 0.0)
 
 
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref,
     w_ref, u_ref, kg_ref, qg_ref, aqk_ref, decay_ref,
-    *, scale: float, l2_normalize: bool, compute_dtype, precision,
+    *, compute_dtype, precision,
 ):
-    n_sub = q_ref.shape[0] // SUB
-    exact = lax.Precision.HIGHEST
-    # Pass 1: per sub-chunk gates, keys, queries; `starts[a]` is G at the row before sub-chunk a.
-    gates, keys, queries, betas, values, starts = [], [], [], [], [], []
-    carry = jnp.zeros((g_ref.shape[1],), jnp.float32)
-    for a in range(n_sub):
-        rows = pl.ds(a * SUB, SUB)
-        cumulative = jnp.cumsum(g_ref[rows, :].astype(jnp.float32), axis=0) + carry[None, :]
-        starts.append(carry)
-        carry = _row(cumulative, SUB - 1)
-        k = k_ref[rows, :].astype(jnp.float32)
-        q = q_ref[rows, :].astype(jnp.float32)
-        if l2_normalize:
-            k, q = unit_rows(k), unit_rows(q)
-        gates.append(cumulative)
-        keys.append(k)
-        queries.append(q * scale)
-        betas.append(beta_ref[rows].astype(jnp.float32))
-        values.append(v_ref[rows, :].astype(jnp.float32))
-    last = carry
+    chunk = q_ref.shape[0]
+    n_sub = chunk // SUB
+    last = g_ref[chunk - 1, :]
     decay_ref[...] = jnp.exp(last)
 
-    # Pass 2: the blocks of A_kk (kept on chip) and A_qk (stored), row block by row block.
-    akk = {}
+    # Pass 1: per sub-chunk tiles; the diagonal blocks of A_kk and A_qk; kg and qg.
+    gates, keys, queries, betas, starts, akk = [], [], [], [], [], {}
     for a in range(n_sub):
         rows = pl.ds(a * SUB, SUB)
-        k_beta = keys[a] * betas[a][:, None]
+        gates.append(g_ref[rows, :])
+        keys.append(k_ref[rows, :].astype(jnp.float32))
+        queries.append(q_ref[rows, :].astype(jnp.float32))
+        betas.append(beta_ref[rows].astype(jnp.float32)[:, None])
+        # G at the row before the sub-chunk: the split point of the blocks left of the diagonal.
+        starts.append(g_ref[a * SUB - 1, :][None, :] if a else jnp.zeros_like(last)[None, :])
         kg_ref[rows, :] = (keys[a] * jnp.exp(last[None, :] - gates[a])).astype(kg_ref.dtype)
         qg_ref[rows, :] = (queries[a] * jnp.exp(gates[a])).astype(qg_ref.dtype)
-        akk[a, a], aqk_diagonal = _diagonal_blocks(k_beta, queries[a], keys[a], gates[a])
+        akk[a, a], aqk_diagonal = _diagonal_blocks(keys[a] * betas[a], queries[a], gates[a], k_ref, g_ref, a * SUB)
         aqk_ref[rows, pl.ds(a * SUB, SUB)] = aqk_diagonal.astype(aqk_ref.dtype)
-        to_start = jnp.exp(gates[a] - starts[a][None, :])
+
+    # Pass 2: the blocks below the diagonal (A_kk kept on chip, A_qk stored), and zeros above.
+    for a in range(n_sub):
+        rows = pl.ds(a * SUB, SUB)
+        to_start = jnp.exp(gates[a] - starts[a])
+        left_kk, left_qk = keys[a] * betas[a] * to_start, queries[a] * to_start
         for b in range(a):
-            right = keys[b] * jnp.exp(starts[a][None, :] - gates[b])
-            akk[a, b] = _mm_t(k_beta * to_start, right, jnp.float32, exact)
-            aqk_ref[rows, pl.ds(b * SUB, SUB)] = _mm_t(queries[a] * to_start, right, compute_dtype, precision).astype(
-                aqk_ref.dtype
-            )
+            right = keys[b] * jnp.exp(starts[a] - gates[b])
+            akk[a, b] = _mm_t(left_kk, right, jnp.float32, EXACT)
+            aqk_ref[rows, pl.ds(b * SUB, SUB)] = _mm_t(left_qk, right, compute_dtype, precision).astype(aqk_ref.dtype)
         for b in range(a + 1, n_sub):
             aqk_ref[rows, pl.ds(b * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
 
@@ -131,25 +136,25 @@ def _intra_kernel(
     for a in range(n_sub):
         inverse[a, a] = _unit_lower_inverse(akk[a, a])
         for b in range(a - 1, -1, -1):
-            acc = sum(_mm(akk[a, c], inverse[c, b], jnp.float32, exact) for c in range(b, a))
-            inverse[a, b] = -_mm(inverse[a, a], acc, jnp.float32, exact)
+            acc = sum(_mm(akk[a, c], inverse[c, b], jnp.float32, EXACT) for c in range(b, a))
+            inverse[a, b] = -_mm(inverse[a, a], acc, jnp.float32, EXACT)
+    decayed_keys = [keys[b] * betas[b] * jnp.exp(gates[b]) for b in range(n_sub)]
+    scaled_values = [v_ref[pl.ds(b * SUB, SUB), :].astype(jnp.float32) * betas[b] for b in range(n_sub)]
     for a in range(n_sub):
         rows = pl.ds(a * SUB, SUB)
-        w = sum(
-            _mm(inverse[a, b], keys[b] * (betas[b][:, None] * jnp.exp(gates[b])), jnp.float32, None)
-            for b in range(a + 1)
-        )
-        u = sum(_mm(inverse[a, b], values[b] * betas[b][:, None], jnp.float32, None) for b in range(a + 1))
+        w = sum(_mm(inverse[a, b], decayed_keys[b], compute_dtype, precision) for b in range(a + 1))
+        u = sum(_mm(inverse[a, b], scaled_values[b], compute_dtype, precision) for b in range(a + 1))
         w_ref[rows, :] = w.astype(w_ref.dtype)
         u_ref[rows, :] = u.astype(u_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "interpret"))
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
-    scale: float, l2_normalize: bool, chunk: int = 64, num_warps: int = 8, interpret: bool = False,
+    chunk: int = 64, num_warps: int = 4, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """Stage 1 on padded inputs: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV].
+    """Stage 1 on padded inputs: q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V];
+    g [B, T, HV, K] the chunk-local cumulative log decay (fp32); beta [B, T, HV].
 
     T is a multiple of `chunk`; K, V powers of two >= 16; HV a multiple of H.
     Returns w, kg, qg [B, T, HV, K]; u [B, T, HV, V]; A_qk [B, T, HV, chunk]; decay [B, T/chunk, HV, K] fp32.
@@ -160,7 +165,7 @@ def chunk_intra(
     n_chunks = length // chunk
     dtype = q.dtype
     # bf16 inputs: bf16 tensor-core dots as flash-linear-attention does; fp32 inputs: exact fp32 dots.
-    compute_dtype, precision = (jnp.float32, lax.Precision.HIGHEST) if dtype == jnp.float32 else (dtype, None)
+    compute_dtype, precision = (jnp.float32, EXACT) if dtype == jnp.float32 else (dtype, None)
 
     def qk_spec(width):
         return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, h // group, 0))
@@ -168,9 +173,7 @@ def chunk_intra(
     def head_spec(width):
         return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, h, 0))
 
-    kernel = functools.partial(
-        _intra_kernel, scale=scale, l2_normalize=l2_normalize, compute_dtype=compute_dtype, precision=precision
-    )
+    kernel = functools.partial(_intra_kernel, compute_dtype=compute_dtype, precision=precision)
     token_shape = (batch, length, value_heads)
     return pl.pallas_call(
         kernel,
