@@ -2,7 +2,8 @@
 
 B=1, T=2048, H=4, K=V=64, per-head decay (the only kind ejkernel accepts), fp32; forward and
 forward+backward (grad of sum(out * cotangent) for query, key, value, beta, decay), jit, median of 5
-after a warm-up. ejkernel runs in its own environment (jax 0.10, benchmarks/ejkernel_env.sh).
+after a warm-up. ejkernel runs in its own environment (jax 0.10, benchmarks/ejkernel_env.sh), at its
+default chunk size (64, the base of the ratio columns) and at smaller ones, which are faster on the CPU.
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/kda_cpu.py
 """
@@ -53,11 +54,19 @@ def _ours(name: str, cfg: KernelDeltaAttentionConfig, inputs: dict, backward: bo
     return row
 
 
+def _anchor(tmp: str, chunk: int) -> dict:
+    """ejkernel's chunked KDA at one chunk size, on the inputs saved in `tmp`."""
+    timing = run_in_ejkernel_env("kda_ejkernel.py", f"{tmp}/inputs.npz", f"{tmp}/out.npy", str(chunk))
+    return {"implementation": f"ejkernel 0.0.80.3 chunked C={chunk} (jax {timing['jax']})",
+            "out": np.load(f"{tmp}/out.npy"), **timing}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--chunks", default="32,64,128", help="our chunk sizes, comma-separated")
-    parser.add_argument("--anchor-chunk", type=int, default=64, help="ejkernel's chunk_size (its default: 64)")
+    parser.add_argument("--anchor-chunks", default="64,32,16",
+                        help="ejkernel's chunk sizes, comma-separated; the first (its default: 64) is the ratios' base")
     parser.add_argument("--per-channel", action="store_true", help="also time a per-channel decay (ours only)")
     args = parser.parse_args()
     inputs = _inputs(args.seq_len, per_channel=False)
@@ -67,9 +76,8 @@ def main() -> None:
     rows.append(_ours("hybrax xla:scan", KernelDeltaAttentionConfig("xla", "scan"), inputs, backward=False))
     with tempfile.TemporaryDirectory() as tmp:
         np.savez(f"{tmp}/inputs.npz", **{n: np.asarray(x) for n, x in inputs.items()})
-        anchor = run_in_ejkernel_env("kda_ejkernel.py", f"{tmp}/inputs.npz", f"{tmp}/out.npy", str(args.anchor_chunk))
-        rows.append({"implementation": f"ejkernel 0.0.80.3 chunked C={args.anchor_chunk} (jax {anchor['jax']})",
-                     "out": np.load(f"{tmp}/out.npy"), **anchor})
+        anchors = [_anchor(tmp, int(c)) for c in args.anchor_chunks.split(",")]
+    rows += anchors
     want, _ = reference.kda_reference(*(np.asarray(inputs[n]) for n in NAMES))
     if args.per_channel:
         channel = _inputs(args.seq_len, per_channel=True)
@@ -77,7 +85,7 @@ def main() -> None:
         row["out_ref"] = reference.kda_reference(*(np.asarray(channel[n]) for n in NAMES))[0]
         rows.append(row)
 
-    base = next(r for r in rows if r["implementation"].startswith("ejkernel"))
+    base = anchors[0]
     for row in rows:
         row["rel. error"] = f"{relative_error(row.pop('out'), row.pop('out_ref', want)):.1e}"
         row["fwd ms"] = f"{row['forward_ms']:.1f}"
