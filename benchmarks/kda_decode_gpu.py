@@ -210,6 +210,7 @@ def bench_case(batch: int, heads: int, steps: int, with_fla: bool, variants, int
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpret mode, no fla")
+    parser.add_argument("--batches", help="which request counts of CASES to run, e.g. 64,256 (default: all)")
     parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 (default: VARIANTS)")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
     parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")
@@ -221,6 +222,8 @@ def main() -> None:
         cases, steps, variants, with_fla = [(1, 2), (2, 2)], {1: 2, 2: 2}, variants[:2], False
     else:
         cases, steps, with_fla = CASES, STEPS, not args.no_fla
+        if args.batches:
+            cases = [case for case in CASES if str(case[0]) in args.batches.split(",")]
     copy = copy_bandwidth() if not args.smoke else float("nan")
     rows = []
     for batch, heads in cases:

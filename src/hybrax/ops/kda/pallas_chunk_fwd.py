@@ -1,6 +1,6 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the three stages end to end.
 
-    stage 0  (XLA, one fusion each) q, k L2-normalized, q scaled; the chunk-local gate cumsum G
+    stage 0  pallas_chunk_cumsum  the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
     stage 1  pallas_chunk_intra   A_kk and its inverse, w, u, kg, qg, A_qk (per chunk)
     stage 2  pallas_chunk_state   the state pass, state on chip, serial over chunks
     stage 3  pallas_chunk_output  o = qg h + A_qk v_new (per chunk)
@@ -24,6 +24,7 @@ from jaxtyping import Array, Float
 
 from hybrax.core import Invocation, lookup, register, runtime_device
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_state import chunk_state
@@ -43,13 +44,6 @@ def _pad_to(x: jax.Array | None, sizes: dict[int, int]) -> jax.Array | None:
         return None
     widths = [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)]
     return jnp.pad(x, widths) if any(w for _, w in widths) else x
-
-
-def chunk_local_cumsum(g: Float[Array, "B T HV K"], chunk: int) -> Float[Array, "B T HV K"]:
-    """G: the cumulative sum of the log decay within each chunk (fp32); T is a multiple of `chunk`."""
-    batch, length, heads, dk = g.shape
-    chunks = g.astype(jnp.float32).reshape(batch, length // chunk, chunk, heads, dk)
-    return jnp.cumsum(chunks, axis=2).reshape(g.shape)
 
 
 def prepare_qk(q: jax.Array, k: jax.Array, scale: float, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -92,7 +86,7 @@ def kda_chunk_fwd(
     q, k = (_pad_to(x.astype(dtype), {1: padded_length, 3: kp}) for x in (q, k))
     v = _pad_to(v, {1: padded_length, 3: vp})
     q, k = prepare_qk(q, k, scale, l2_normalize)
-    g = chunk_local_cumsum(_pad_to(g.astype(jnp.float32), {1: padded_length, 3: kp}), chunk)
+    g = chunk_local_cumsum(_pad_to(g, {1: padded_length, 3: kp}), chunk=chunk, interpret=interpret)
     beta = _pad_to(beta.astype(jnp.float32), {1: padded_length})
     initial_state = _pad_to(initial_state, {2: kp, 3: vp})
 

@@ -99,51 +99,56 @@ def _intra_kernel(
     w_ref, u_ref, kg_ref, qg_ref, aqk_ref, decay_ref,
     *, compute_dtype, precision,
 ):
+    # Only the [16, 16] blocks of A_kk and of its inverse live across the passes; [16, K] tiles are
+    # read again from the input blocks (cached) where needed: holding them all spills registers.
     chunk = q_ref.shape[0]
     n_sub = chunk // SUB
     last = g_ref[chunk - 1, :]
     decay_ref[...] = jnp.exp(last)
 
-    # Pass 1: per sub-chunk tiles; the diagonal blocks of A_kk and A_qk; kg and qg.
-    gates, keys, queries, betas, starts, akk = [], [], [], [], [], {}
-    for a in range(n_sub):
-        rows = pl.ds(a * SUB, SUB)
-        gates.append(g_ref[rows, :])
-        keys.append(k_ref[rows, :].astype(jnp.float32))
-        queries.append(q_ref[rows, :].astype(jnp.float32))
-        betas.append(beta_ref[rows].astype(jnp.float32)[:, None])
-        # G at the row before the sub-chunk: the split point of the blocks left of the diagonal.
-        starts.append(g_ref[a * SUB - 1, :][None, :] if a else jnp.zeros_like(last)[None, :])
-        kg_ref[rows, :] = (keys[a] * jnp.exp(last[None, :] - gates[a])).astype(kg_ref.dtype)
-        qg_ref[rows, :] = (queries[a] * jnp.exp(gates[a])).astype(qg_ref.dtype)
-        akk[a, a], aqk_diagonal = _diagonal_blocks(keys[a] * betas[a], queries[a], gates[a], k_ref, g_ref, a * SUB)
-        aqk_ref[rows, pl.ds(a * SUB, SUB)] = aqk_diagonal.astype(aqk_ref.dtype)
+    def tile(ref, a):
+        return ref[pl.ds(a * SUB, SUB), :].astype(jnp.float32)
 
-    # Pass 2: the blocks below the diagonal (A_kk kept on chip, A_qk stored), and zeros above.
+    def beta_column(a):
+        return beta_ref[pl.ds(a * SUB, SUB)].astype(jnp.float32)[:, None]
+
+    # Pass 1, sub-chunk by sub-chunk: kg and qg; A_kk (kept on chip) and A_qk (stored) by blocks.
+    akk = {}
     for a in range(n_sub):
         rows = pl.ds(a * SUB, SUB)
-        to_start = jnp.exp(gates[a] - starts[a])
-        left_kk, left_qk = keys[a] * betas[a] * to_start, queries[a] * to_start
+        gates, keys, queries, betas = tile(g_ref, a), tile(k_ref, a), tile(q_ref, a), beta_column(a)
+        kg_ref[rows, :] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
+        qg_ref[rows, :] = (queries * jnp.exp(gates)).astype(qg_ref.dtype)
+        akk[a, a], aqk_diagonal = _diagonal_blocks(keys * betas, queries, gates, k_ref, g_ref, a * SUB)
+        aqk_ref[rows, pl.ds(a * SUB, SUB)] = aqk_diagonal.astype(aqk_ref.dtype)
+        if a:
+            # Blocks left of the diagonal split their decays at G of the row before sub-chunk a.
+            start = g_ref[a * SUB - 1, :][None, :]
+            to_start = jnp.exp(gates - start)
+            left_kk, left_qk = keys * betas * to_start, queries * to_start
         for b in range(a):
-            right = keys[b] * jnp.exp(starts[a] - gates[b])
+            right = tile(k_ref, b) * jnp.exp(start - tile(g_ref, b))
             akk[a, b] = _mm_t(left_kk, right, jnp.float32, EXACT)
             aqk_ref[rows, pl.ds(b * SUB, SUB)] = _mm_t(left_qk, right, compute_dtype, precision).astype(aqk_ref.dtype)
         for b in range(a + 1, n_sub):
             aqk_ref[rows, pl.ds(b * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
 
-    # Pass 3: T = (I + A_kk)^-1 by blocks, then w = T (beta k exp(G)) and u = T (beta v).
+    # Pass 2: T = (I + A_kk)^-1 by blocks.
     inverse = {}
     for a in range(n_sub):
         inverse[a, a] = _unit_lower_inverse(akk[a, a])
         for b in range(a - 1, -1, -1):
             acc = sum(_mm(akk[a, c], inverse[c, b], jnp.float32, EXACT) for c in range(b, a))
             inverse[a, b] = -_mm(inverse[a, a], acc, jnp.float32, EXACT)
-    decayed_keys = [keys[b] * betas[b] * jnp.exp(gates[b]) for b in range(n_sub)]
-    scaled_values = [v_ref[pl.ds(b * SUB, SUB), :].astype(jnp.float32) * betas[b] for b in range(n_sub)]
+
+    # Pass 3: w = T (beta k exp(G)) and u = T (beta v).
     for a in range(n_sub):
         rows = pl.ds(a * SUB, SUB)
-        w = sum(_mm(inverse[a, b], decayed_keys[b], compute_dtype, precision) for b in range(a + 1))
-        u = sum(_mm(inverse[a, b], scaled_values[b], compute_dtype, precision) for b in range(a + 1))
+        w = sum(
+            _mm(inverse[a, b], tile(k_ref, b) * beta_column(b) * jnp.exp(tile(g_ref, b)), compute_dtype, precision)
+            for b in range(a + 1)
+        )
+        u = sum(_mm(inverse[a, b], tile(v_ref, b) * beta_column(b), compute_dtype, precision) for b in range(a + 1))
         w_ref[rows, :] = w.astype(w_ref.dtype)
         u_ref[rows, :] = u.astype(u_ref.dtype)
 

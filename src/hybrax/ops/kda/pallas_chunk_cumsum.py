@@ -1,0 +1,39 @@
+"""KDA chunked forward, stage 0 (Pallas, Triton lowering): the chunk-local cumulative log decay.
+
+G[t] = sum of g over the tokens of t's chunk up to and including t, in fp32. One program per
+(chunk, value head, batch); memory-bound (one read, one write). XLA's own cumsum on the GPU may
+lower to an O(C^2) reduce-window; this is one pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float
+
+
+def _cumsum_kernel(g_ref, out_ref):
+    out_ref[...] = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "interpret"))
+def chunk_local_cumsum(
+    g: Float[Array, "B T HV K"], *, chunk: int, num_warps: int = 4, interpret: bool = False
+) -> Float[Array, "B T HV K"]:
+    """G [B, T, HV, K] fp32; T a multiple of `chunk`, K a power of two."""
+    batch, length, heads, dk = g.shape
+    spec = pl.BlockSpec((None, chunk, None, dk), lambda t, h, b: (b, t, h, 0))
+    return pl.pallas_call(
+        _cumsum_kernel,
+        grid=(length // chunk, heads, batch),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(g.shape, jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_chunk_cumsum",
+    )(g)
