@@ -1,9 +1,10 @@
 """Where does the KDA chunked forward's stage 1 (`pallas_chunk_intra`) spend its time? (H200)
 
-Times the stage at (1, 8192, 32, 128) bf16 as it is, and with one part replaced by a trivial
-stand-in (the result is then wrong; only the time matters): the diagonal blocks (zeros), the 16x16
-diagonal inverses (identity), the exact fp32 dots of the solve done as tf32; and at 2, 4 and 8
-warps. The differences place the time.
+At (1, 8192, 32, 128) bf16: the precision of the solve's fp32 dots (Triton's exact fp32 dot,
+three tf32 passes, one tf32 pass), each with the stage's time and the whole forward's error against
+an fp32 recurrence; then, at the default precision, the stage with one part replaced by a trivial
+stand-in (its result is then wrong; only the time matters): the diagonal blocks (zeros), the 16x16
+diagonal inverses (identity). The differences place the time.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src python3 benchmarks/kda_intra_ablation.py
 """
@@ -20,12 +21,12 @@ import jax.numpy as jnp
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kda_chunk_gpu import make_inputs, time_jax  # noqa: E402
+from kda_chunk_gpu import make_inputs, recurrence_fp32, rel, time_jax  # noqa: E402
 from timing import print_table  # noqa: E402
 
 from hybrax.ops.kda import pallas_chunk_intra as intra  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk  # noqa: E402
 
 SHAPE = (1, 8192, 32, 128)
 
@@ -35,7 +36,7 @@ def _zero_diagonal(k_beta, q, gates, k_ref, g_ref, first_row):
     return zeros, zeros
 
 
-def _identity_inverse(strict_lower):
+def _identity_inverse(strict_lower, precision):
     n = strict_lower.shape[0]
     return (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(
         jnp.float32
@@ -43,41 +44,55 @@ def _identity_inverse(strict_lower):
 
 
 @contextlib.contextmanager
-def patched(name: str, value):
-    old = getattr(intra, name)
-    setattr(intra, name, value)
+def patched(changes: dict):
+    old = {name: getattr(intra, name) for name in changes}
+    for name, value in changes.items():
+        setattr(intra, name, value)
+    for fn in (intra.chunk_intra, kda_chunk_fwd):  # the jitted wrappers cache traces of the old code
+        fn.clear_cache()
     try:
         yield
     finally:
-        setattr(intra, name, old)
+        for name, value in old.items():
+            setattr(intra, name, value)
 
 
-VARIANTS = {
-    "as is": (None, None),
-    "no diagonal blocks": ("_diagonal_blocks", _zero_diagonal),
-    "no 16x16 inverses": ("_unit_lower_inverse", _identity_inverse),
-    "solve in tf32": ("EXACT", lax.Precision.DEFAULT),
+PRECISIONS = {
+    "fp32 exact (ieee)": lax.Precision.HIGHEST,
+    "tf32 x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "tf32": lax.Precision.DEFAULT,
+}
+STAND_INS = {
+    "no diagonal blocks": {"_diagonal_blocks": _zero_diagonal},
+    "no 16x16 inverses": {"_unit_lower_inverse": _identity_inverse},
 }
 
 
 def main() -> None:
     q, k, v, g, beta = make_inputs(0, *SHAPE)
-    qn, kn = prepare_qk(q, k, SHAPE[3] ** -0.5, True)
+    scale = SHAPE[3] ** -0.5
+    qn, kn = prepare_qk(q, k, scale, True)
     gates = chunk_local_cumsum(g, chunk=64)
+    ref_out, ref_final = recurrence_fp32(q, k, v, g, beta)
+    runs = [(f"solve {name}", {"GPU_SOLVE_PRECISION": value}, True) for name, value in PRECISIONS.items()]
+    runs += [(name, changes, False) for name, changes in STAND_INS.items()]
     rows = []
-    runs = [(name, 4) for name in VARIANTS] + [("as is", 2), ("as is", 8)]
-    for name, warps in runs:
-        attribute, value = VARIANTS[name]
-        context = patched(attribute, value) if attribute else contextlib.nullcontext()
-        with context:
-            fn = jax.jit(lambda *a, warps=warps: intra.chunk_intra.__wrapped__(*a, chunk=64, num_warps=warps))
+    for name, changes, check in runs:
+        with patched(changes):
+            stage = jax.jit(lambda *a: intra.chunk_intra(*a, chunk=64))
             start = time.perf_counter()
-            jax.block_until_ready(fn(qn, kn, v, gates, beta))
-            compile_s = time.perf_counter() - start
-            ms = time_jax(fn, qn, kn, v, gates, beta)
-        rows.append({"variant": name, "warps": warps, "ms": f"{ms:.3f}", "compile_s": f"{compile_s:.0f}"})
-        print(rows[-1], flush=True)
-    print_table(rows, ["variant", "warps", "ms", "compile_s"])
+            jax.block_until_ready(stage(qn, kn, v, gates, beta))
+            row = {"variant": name, "compile_s": f"{time.perf_counter() - start:.0f}"}
+            row["intra_ms"] = f"{time_jax(stage, qn, kn, v, gates, beta):.3f}"
+            if check:
+                forward = jax.jit(lambda q, k, v, g, beta: kda_chunk_fwd(q, k, v, g, beta, scale=scale))
+                out, final = forward(q, k, v, g, beta)
+                row["err_out"] = f"{rel(out.astype(jnp.float32), ref_out):.1e}"
+                row["err_state"] = f"{rel(final, ref_final):.1e}"
+                row["forward_ms"] = f"{time_jax(forward, q, k, v, g, beta):.3f}"
+        rows.append(row)
+        print(row, flush=True)
+    print_table(rows, ["variant", "intra_ms", "forward_ms", "err_out", "err_state", "compile_s"])
 
 
 if __name__ == "__main__":

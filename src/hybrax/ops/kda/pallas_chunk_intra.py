@@ -33,7 +33,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
-EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding: the triangular solve
+EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding
+# The fp32 dots of A_kk and its inverse on the GPU: three tf32 passes on the tensor cores keep
+# fp32 accuracy; Triton's exact fp32 dot runs on the FMA units and made this stage 2.7x slower
+# (benchmarks/kda_intra_ablation.py). The CPU (interpret mode) has no tf32 and computes them exactly.
+GPU_SOLVE_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def _mm(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
@@ -53,7 +57,7 @@ def _grid(n: int) -> tuple[jax.Array, jax.Array]:
     return lax.broadcasted_iota(jnp.int32, (n, n), 0), lax.broadcasted_iota(jnp.int32, (n, n), 1)
 
 
-def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
+def _unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
     """(I + L)^-1 for a strictly lower n x n L (n a power of two) by doubling the inverted blocks.
 
     With X the inverse of the block diagonal of size s, the blocks of size 2s are
@@ -66,8 +70,8 @@ def _unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
     size = 1
     while size < n:
         link = ((rows // (2 * size)) == (cols // (2 * size))) & ((rows // size) > (cols // size))
-        coupling = _mm(jnp.where(link, strict_lower, 0.0), inverse, jnp.float32, EXACT)
-        inverse = inverse - _mm(inverse, coupling, jnp.float32, EXACT)
+        coupling = _mm(jnp.where(link, strict_lower, 0.0), inverse, jnp.float32, precision)
+        inverse = inverse - _mm(inverse, coupling, jnp.float32, precision)
         size *= 2
     return inverse
 
@@ -97,7 +101,7 @@ def _diagonal_blocks(k_beta, q, gates, k_ref, g_ref, first_row: int) -> tuple[ja
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref,
     w_ref, u_ref, kg_ref, qg_ref, aqk_ref, decay_ref,
-    *, compute_dtype, precision,
+    *, compute_dtype, precision, solve_precision,
 ):
     # Only the [16, 16] blocks of A_kk and of its inverse live across the passes; [16, K] tiles are
     # read again from the input blocks (cached) where needed: holding them all spills registers.
@@ -128,7 +132,7 @@ def _intra_kernel(
             left_kk, left_qk = keys * betas * to_start, queries * to_start
         for b in range(a):
             right = tile(k_ref, b) * jnp.exp(start - tile(g_ref, b))
-            akk[a, b] = _mm_t(left_kk, right, jnp.float32, EXACT)
+            akk[a, b] = _mm_t(left_kk, right, jnp.float32, solve_precision)
             aqk_ref[rows, pl.ds(b * SUB, SUB)] = _mm_t(left_qk, right, compute_dtype, precision).astype(aqk_ref.dtype)
         for b in range(a + 1, n_sub):
             aqk_ref[rows, pl.ds(b * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
@@ -136,10 +140,10 @@ def _intra_kernel(
     # Pass 2: T = (I + A_kk)^-1 by blocks.
     inverse = {}
     for a in range(n_sub):
-        inverse[a, a] = _unit_lower_inverse(akk[a, a])
+        inverse[a, a] = _unit_lower_inverse(akk[a, a], solve_precision)
         for b in range(a - 1, -1, -1):
-            acc = sum(_mm(akk[a, c], inverse[c, b], jnp.float32, EXACT) for c in range(b, a))
-            inverse[a, b] = -_mm(inverse[a, a], acc, jnp.float32, EXACT)
+            acc = sum(_mm(akk[a, c], inverse[c, b], jnp.float32, solve_precision) for c in range(b, a))
+            inverse[a, b] = -_mm(inverse[a, a], acc, jnp.float32, solve_precision)
 
     # Pass 3: w = T (beta k exp(G)) and u = T (beta v).
     for a in range(n_sub):
@@ -178,7 +182,10 @@ def chunk_intra(
     def head_spec(width):
         return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, h, 0))
 
-    kernel = functools.partial(_intra_kernel, compute_dtype=compute_dtype, precision=precision)
+    solve_precision = EXACT if interpret else GPU_SOLVE_PRECISION
+    kernel = functools.partial(
+        _intra_kernel, compute_dtype=compute_dtype, precision=precision, solve_precision=solve_precision
+    )
     token_shape = (batch, length, value_heads)
     return pl.pallas_call(
         kernel,
