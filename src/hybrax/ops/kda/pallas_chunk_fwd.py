@@ -8,26 +8,26 @@
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
 >= 16; zero keys, values, gates and betas leave the state untouched), crops the results, and
 registers the pipeline as `kernel_delta_attention`'s "pallas:chunked" implementation. Its gradient
-is, for now, the XLA chunked implementation's backward (which recomputes that forward): correct,
-not yet fast. Not supported yet (`auto` then picks XLA): cu_seqlens, K or V above 256.
+is, for now, the XLA chunked implementation's backward, fed the fp32 chunk states this forward
+keeps (so no XLA forward runs again). Not supported yet (`auto` then picks XLA): cu_seqlens, K or V
+above 256.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from hybrax.core import Invocation, lookup, register, runtime_device
+from hybrax.core import Invocation, register, runtime_device
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_state import chunk_state
+from hybrax.ops.kda.xla_chunked import chunked_backward
 from hybrax.ops.kda.xla_scan import l2_normalize
 
 MIN_TILE = 16
@@ -56,7 +56,10 @@ def prepare_qk(q: jax.Array, k: jax.Array, scale: float, normalize: bool) -> tup
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "block_v", "intra_warps", "state_warps", "interpret")
+    jax.jit,
+    static_argnames=(
+        "scale", "l2_normalize", "chunk", "block_v", "intra_warps", "state_warps", "return_states", "interpret"
+    ),
 )
 def kda_chunk_fwd(
     q: Float[Array, "B T H K"],
@@ -72,9 +75,11 @@ def kda_chunk_fwd(
     block_v: int = 32,
     intra_warps: int = 4,
     state_warps: int = 4,
+    return_states: bool = False,
     interpret: bool = False,
-) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
-    """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32).
+) -> tuple[jax.Array, ...]:
+    """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32); with
+    `return_states` also the fp32 state entering each chunk [B, HV, T/chunk, K, V] (for the backward).
 
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H.
@@ -92,10 +97,12 @@ def kda_chunk_fwd(
 
     w, u, kg, qg, aqk, decay = chunk_intra(q, k, v, g, beta, chunk=chunk, num_warps=intra_warps, interpret=interpret)
     h, v_new, final_state = chunk_state(
-        w, u, kg, decay, initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps, interpret=interpret
+        w, u, kg, decay, initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps,
+        states_fp32=return_states, interpret=interpret,
     )
     o = chunk_output(qg, h, aqk, v_new, chunk=chunk, interpret=interpret)
-    return o[:, :length, :, :dv], final_state[:, :, :dk, :dv]
+    result = (o[:, :length, :, :dv], final_state[:, :, :dk, :dv])
+    return (*result, jnp.moveaxis(h[..., :dk, :dv], 1, 2)) if return_states else result
 
 
 def _supports(inv: Invocation) -> str | None:
@@ -120,31 +127,30 @@ def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
     return [KernelDeltaAttentionConfig(chunk_size=c) for c in (32, 64)]
 
 
-def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
+def _run(problem: KdaProblem, cfg: KernelDeltaAttentionConfig, return_states: bool) -> tuple[jax.Array, ...]:
     decay = jnp.broadcast_to(problem.decay, (*problem.beta.shape, problem.q.shape[3]))
-    o, final = kda_chunk_fwd(
+    o, *rest = kda_chunk_fwd(
         problem.q, problem.k, problem.v, decay, problem.beta, problem.initial_state,
         scale=problem.scale, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size,
-        interpret=runtime_device() != "gpu",
+        return_states=return_states, interpret=runtime_device() != "gpu",
     )
-    return o.astype(problem.q.dtype), final
+    return o.astype(problem.q.dtype), *rest
 
 
-def _forward(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[tuple[jax.Array, jax.Array], KdaProblem]:
-    return _pallas_chunked(problem, cfg), problem
+def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
+    return _run(problem, cfg, return_states=False)
 
 
-def _backward(cfg: KernelDeltaAttentionConfig, problem: KdaProblem, ct: Any) -> KdaProblem:
-    """The XLA chunked implementation's gradient (it recomputes its own forward) until a Pallas backward lands."""
-    xla = lookup(OP_ID, "xla", "chunked")
-    xla_cfg = dataclasses.replace(cfg, platform=xla.platform, backend=xla.backend)
-    _, pullback = jax.vjp(lambda p: xla(p, xla_cfg), problem)
-    return pullback(ct)[0]
+def _forward(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[tuple[jax.Array, jax.Array], tuple]:
+    """The forward keeps the fp32 state entering each chunk: exactly the residuals of the XLA chunked
+    backward, which then recomputes only the chunk-local terms, not the state pass."""
+    o, final, entering = _run(problem, cfg, return_states=True)
+    return (o, final), (problem, entering)
 
 
 # Below xla:chunked (20) until it is measured faster: on the H200 this forward took 8.9 ms at
 # (1, 8192, 32, 128) bf16, 8x flash-linear-attention's (BENCHMARKS.md). Ask for it with platform="pallas".
 register(
     OP_ID, "pallas", "chunked", priority=15, devices=("gpu",), heuristic_cfg=_heuristic,
-    candidate_cfgs=_candidates, supports=_supports, fwd=_forward, bwd=_backward,
+    candidate_cfgs=_candidates, supports=_supports, fwd=_forward, bwd=chunked_backward,
 )(_pallas_chunked)

@@ -317,7 +317,11 @@ def _forward_with_residuals(problem: KdaProblem, cfg: KernelDeltaAttentionConfig
     return result, (problem, entering)
 
 
-def _backward(cfg: KernelDeltaAttentionConfig, residuals: tuple[KdaProblem, jax.Array], ct: tuple) -> KdaProblem:
+def chunked_backward(
+    cfg: KernelDeltaAttentionConfig, residuals: tuple[KdaProblem, jax.Array], ct: tuple
+) -> KdaProblem:
+    """The gradient from the problem and the fp32 states entering each chunk [R, HV, Nc, K, V]
+    (any forward that computes those can use it: the Pallas one does)."""
     problem, entering = residuals
     chunk = cfg.chunk_size
     layout = _layout(problem, chunk)
@@ -352,6 +356,6 @@ def _supports(inv: Invocation) -> str | None:
 
 
 @register(OP_ID, "xla", "chunked", priority=20, heuristic_cfg=_heuristic, candidate_cfgs=_candidates,
-          supports=_supports, fwd=_forward_with_residuals, bwd=_backward)
+          supports=_supports, fwd=_forward_with_residuals, bwd=chunked_backward)
 def kda_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     return _forward(problem, cfg)[0]
