@@ -148,8 +148,10 @@ def _forward(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[tupl
     return (o, final), (problem, entering)
 
 
-# Below xla:chunked (20) until it is measured faster: on the H200 this forward took 8.9 ms at
-# (1, 8192, 32, 128) bf16, 8x flash-linear-attention's (BENCHMARKS.md). Ask for it with platform="pallas".
+# Below xla:chunked (20): on the H200 at (1, 8192, 32, 128) bf16 this forward takes 4.5 ms against
+# XLA's 9.0 ms, but forward+backward 25.0 ms against XLA's 23.6 ms (XLA shares the chunk-local terms
+# between its forward and backward; here the backward recomputes them), and 4x flash-linear-attention's
+# forward (BENCHMARKS.md). Ask for it with platform="pallas".
 register(
     OP_ID, "pallas", "chunked", priority=15, devices=("gpu",), heuristic_cfg=_heuristic,
     candidate_cfgs=_candidates, supports=_supports, fwd=_forward, bwd=chunked_backward,
