@@ -35,9 +35,11 @@ from timing import print_table  # noqa: E402
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_intra import chunk_intra  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_diagonal import chunk_diagonal  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_output import chunk_output  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_solve import chunk_solve  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state import chunk_state  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_wy import chunk_wy  # noqa: E402
 
 SHAPES = [(1, 8192, 32, 128), (8, 2048, 16, 128), (1, 32768, 16, 128), (2, 16384, 16, 128)]
 
@@ -146,31 +148,28 @@ def torch_peak_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def compiled(name: str, fn, *args):
-    """Run once (compiling) and log how long that took; returns the outputs."""
+def staged(row: dict, name: str, fn, *args):
+    """Run once (compiling; logs how long), then time it into row[f"{name}_ms"]; returns the outputs."""
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     log(f"{name} compiled and ran in {time.perf_counter() - start:.1f}s")
+    row[f"{name}_ms"] = f"{time_jax(fn, *args):.3f}"
     return out
 
 
 def time_stages(row: dict, q, k, v, g, beta, scale: float) -> None:
-    """Each stage alone, on the inputs it sees inside the pipeline (stage 1 at 4 and 8 warps)."""
+    """Each kernel alone, on the inputs it sees inside the pipeline."""
     chunk = 64
     prepare = jax.jit(lambda q, k, g: (*prepare_qk(q, k, scale, True), chunk_local_cumsum(g, chunk=chunk)))
-    qn, kn, gates = compiled("prepare", prepare, q, k, g)
-    row["prepare_ms"] = f"{time_jax(prepare, q, k, g):.3f}"
-    for warps in (4, 8):
-        intra = jax.jit(functools.partial(chunk_intra, chunk=chunk, num_warps=warps))
-        w, u, kg, qg, aqk, decay = compiled(f"intra w{warps}", intra, qn, kn, v, gates, beta)
-        row[f"intra_w{warps}_ms"] = f"{time_jax(intra, qn, kn, v, gates, beta):.3f}"
-        log(f"{row}")
+    qn, kn, gates = staged(row, "prepare", prepare, q, k, g)
+    blocks = staged(row, "diagonal", jax.jit(chunk_diagonal), qn, kn, gates, beta)
+    solve = jax.jit(functools.partial(chunk_solve, chunk=chunk))
+    inverse, aqk = staged(row, "solve", solve, qn, kn, gates, beta, *blocks)
+    wy = jax.jit(functools.partial(chunk_wy, chunk=chunk))
+    w, u, kg, qg, decay = staged(row, "wy", wy, qn, kn, v, gates, beta, inverse)
     state = jax.jit(lambda w, u, kg, decay: chunk_state(w, u, kg, decay, None))
-    h, v_new, _ = compiled("state", state, w, u, kg, decay)
-    output = jax.jit(chunk_output)
-    compiled("output", output, qg, h, aqk, v_new)
-    row["state_ms"] = f"{time_jax(state, w, u, kg, decay):.3f}"
-    row["output_ms"] = f"{time_jax(output, qg, h, aqk, v_new):.3f}"
+    h, v_new, _ = staged(row, "state", state, w, u, kg, decay)
+    staged(row, "output", jax.jit(chunk_output), qg, h, aqk, v_new)
     log(f"{row}")
 
 
@@ -247,7 +246,7 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "prepare_ms", "intra_w4_ms", "intra_w8_ms", "state_ms", "output_ms", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
+               "prepare_ms", "diagonal_ms", "solve_ms", "wy_ms", "state_ms", "output_ms", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
                "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
 

@@ -1,7 +1,9 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the three stages end to end.
 
     stage 0  pallas_chunk_cumsum  the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
-    stage 1  pallas_chunk_intra   A_kk and its inverse, w, u, kg, qg, A_qk (per chunk)
+    stage 1a pallas_chunk_diagonal  the diagonal 16x16 blocks of A_kk (inverted) and A_qk (per sub-chunk)
+    stage 1b pallas_chunk_solve     the blocks below them, T = (I + A_kk)^-1 and A_qk whole (per chunk)
+    stage 1c pallas_chunk_wy        w, u (the WY form), kg, qg, the chunk's decay (per chunk)
     stage 2  pallas_chunk_state   the state pass, state on chip, serial over chunks
     stage 3  pallas_chunk_output  o = qg h + A_qk v_new (per chunk)
 
@@ -24,9 +26,11 @@ from jaxtyping import Array, Float
 from hybrax.core import Invocation, register, runtime_device
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
+from hybrax.ops.kda.pallas_chunk_diagonal import chunk_diagonal
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
+from hybrax.ops.kda.pallas_chunk_solve import chunk_solve
 from hybrax.ops.kda.pallas_chunk_state import chunk_state
+from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.xla_chunked import chunked_backward
 from hybrax.ops.kda.xla_scan import l2_normalize
 
@@ -58,7 +62,7 @@ def prepare_qk(q: jax.Array, k: jax.Array, scale: float, normalize: bool) -> tup
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "l2_normalize", "chunk", "block_v", "intra_warps", "state_warps", "return_states", "interpret"
+        "scale", "l2_normalize", "chunk", "block_v", "state_warps", "return_states", "interpret"
     ),
 )
 def kda_chunk_fwd(
@@ -73,7 +77,6 @@ def kda_chunk_fwd(
     l2_normalize: bool = True,
     chunk: int = 64,
     block_v: int = 32,
-    intra_warps: int = 4,
     state_warps: int = 4,
     return_states: bool = False,
     interpret: bool = False,
@@ -95,7 +98,9 @@ def kda_chunk_fwd(
     beta = _pad_to(beta.astype(jnp.float32), {1: padded_length})
     initial_state = _pad_to(initial_state, {2: kp, 3: vp})
 
-    w, u, kg, qg, aqk, decay = chunk_intra(q, k, v, g, beta, chunk=chunk, num_warps=intra_warps, interpret=interpret)
+    inverse_diagonal, aqk_diagonal = chunk_diagonal(q, k, g, beta, interpret=interpret)
+    inverse, aqk = chunk_solve(q, k, g, beta, inverse_diagonal, aqk_diagonal, chunk=chunk, interpret=interpret)
+    w, u, kg, qg, decay = chunk_wy(q, k, v, g, beta, inverse, chunk=chunk, interpret=interpret)
     h, v_new, final_state = chunk_state(
         w, u, kg, decay, initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps,
         states_fp32=return_states, interpret=interpret,

@@ -1,4 +1,5 @@
-"""Where does the KDA chunked forward's stage 1 (`pallas_chunk_intra`) spend its time? (H200)
+"""Where does the KDA chunked forward's stage 1 (kernels 1a-1c: `pallas_chunk_{diagonal,solve,wy}`)
+spend its time? (H200)
 
 At (1, 8192, 32, 128) bf16: the precision of the solve's fp32 dots (Triton's exact fp32 dot,
 three tf32 passes, one tf32 pass), each with the stage's time and the whole forward's error against
@@ -6,7 +7,7 @@ an fp32 recurrence; then, at the default precision, the stage with one part repl
 stand-in (its result is then wrong; only the time matters): the diagonal blocks (zeros), the 16x16
 diagonal inverses (identity). The differences place the time.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src python3 benchmarks/kda_intra_ablation.py
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src python3 benchmarks/kda_stage1_ablation.py
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kda_chunk_gpu import make_inputs, recurrence_fp32, rel, time_jax  # noqa: E402
 from timing import print_table  # noqa: E402
 
-from hybrax.ops.kda import pallas_chunk_intra as intra  # noqa: E402
+from hybrax.ops.kda import pallas_chunk_diagonal, pallas_tiles  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_diagonal import chunk_diagonal  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_solve import chunk_solve  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_wy import chunk_wy  # noqa: E402
 
 SHAPE = (1, 8192, 32, 128)
 
 
-def _zero_diagonal(k_beta, q, gates, k_ref, g_ref, first_row):
-    zeros = jnp.zeros((intra.SUB, intra.SUB), jnp.float32)
+def _zero_diagonal(k_beta, q, gates, k_ref, g_ref):
+    zeros = jnp.zeros((pallas_tiles.SUB, pallas_tiles.SUB), jnp.float32)
     return zeros, zeros
 
 
@@ -45,16 +49,27 @@ def _identity_inverse(strict_lower, precision):
 
 @contextlib.contextmanager
 def patched(changes: dict):
-    old = {name: getattr(intra, name) for name in changes}
-    for name, value in changes.items():
-        setattr(intra, name, value)
-    for fn in (intra.chunk_intra, kda_chunk_fwd):  # the jitted wrappers cache traces of the old code
-        fn.clear_cache()
+    """Replace module attributes ({(module, name): value}) for the duration; the jitted wrappers
+    cache traces of the old code, so their caches are cleared."""
+    old = {key: getattr(*key) for key in changes}
+
+    def apply(values):
+        for (module, name), value in values.items():
+            setattr(module, name, value)
+        for fn in (chunk_diagonal, chunk_solve, chunk_wy, kda_chunk_fwd):
+            fn.clear_cache()
+
+    apply(changes)
     try:
         yield
     finally:
-        for name, value in old.items():
-            setattr(intra, name, value)
+        apply(old)
+
+
+def stage_one(q, k, v, g, beta):
+    blocks = chunk_diagonal(q, k, g, beta)
+    inverse, aqk = chunk_solve(q, k, g, beta, *blocks, chunk=64)
+    return chunk_wy(q, k, v, g, beta, inverse, chunk=64), aqk
 
 
 PRECISIONS = {
@@ -63,8 +78,8 @@ PRECISIONS = {
     "tf32": lax.Precision.DEFAULT,
 }
 STAND_INS = {
-    "no diagonal blocks": {"_diagonal_blocks": _zero_diagonal},
-    "no 16x16 inverses": {"_unit_lower_inverse": _identity_inverse},
+    "no diagonal blocks": {(pallas_chunk_diagonal, "diagonal_blocks"): _zero_diagonal},
+    "no 16x16 inverses": {(pallas_chunk_diagonal, "unit_lower_inverse"): _identity_inverse},
 }
 
 
@@ -74,12 +89,14 @@ def main() -> None:
     qn, kn = prepare_qk(q, k, scale, True)
     gates = chunk_local_cumsum(g, chunk=64)
     ref_out, ref_final = recurrence_fp32(q, k, v, g, beta)
-    runs = [(f"solve {name}", {"GPU_SOLVE_PRECISION": value}, True) for name, value in PRECISIONS.items()]
+    runs = [
+        (f"solve {name}", {(pallas_tiles, "GPU_SOLVE_PRECISION"): value}, True) for name, value in PRECISIONS.items()
+    ]
     runs += [(name, changes, False) for name, changes in STAND_INS.items()]
     rows = []
     for name, changes, check in runs:
         with patched(changes):
-            stage = jax.jit(lambda *a: intra.chunk_intra(*a, chunk=64))
+            stage = jax.jit(stage_one)
             start = time.perf_counter()
             jax.block_until_ready(stage(qn, kn, v, gates, beta))
             row = {"variant": name, "compile_s": f"{time.perf_counter() - start:.0f}"}

@@ -1,0 +1,57 @@
+"""Register-tile helpers shared by the KDA Pallas kernels (Triton lowering).
+
+Triton tiles cannot be sliced or indexed in registers: blocks are assembled from full-tile
+operations under iota masks, and rows are read from the kernel's refs instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
+EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding
+# The fp32 dots of A_kk and its inverse on the GPU: three tf32 passes on the tensor cores keep
+# fp32 accuracy; Triton's exact fp32 dot runs on the FMA units and made stage 1 2x slower
+# (benchmarks/kda_stage1_ablation.py). The CPU (interpret mode) has no tf32 and computes them exactly.
+GPU_SOLVE_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def solve_precision(interpret: bool):
+    return EXACT if interpret else GPU_SOLVE_PRECISION
+
+
+def dot_settings(dtype, interpret: bool):
+    """(operand dtype, precision) of the dots on inputs of `dtype`: bf16 tensor-core dots for bf16
+    inputs, as flash-linear-attention; fp32-accurate dots for fp32 inputs."""
+    return (jnp.float32, solve_precision(interpret)) if dtype == jnp.float32 else (dtype, None)
+
+
+def mm(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
+    """a @ b with operands cast to `dtype`, accumulated in fp32."""
+    return jnp.dot(a.astype(dtype), b.astype(dtype), precision=precision, preferred_element_type=jnp.float32)
+
+
+def mm_t(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
+    """a @ b.T (contracting the last axis of both)."""
+    return lax.dot_general(
+        a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
+        precision=precision, preferred_element_type=jnp.float32,
+    )
+
+
+def index_grid(n: int) -> tuple[jax.Array, jax.Array]:
+    """Row and column indices of an n x n tile."""
+    return lax.broadcasted_iota(jnp.int32, (n, n), 0), lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+
+def sub_tile(ref, a: int) -> jax.Array:
+    """Rows of sub-chunk `a` of a [C, width] ref, in fp32."""
+    return ref[pl.ds(a * SUB, SUB), :].astype(jnp.float32)
+
+
+def sub_column(ref, a: int) -> jax.Array:
+    """Rows of sub-chunk `a` of a [C] ref as an fp32 column [SUB, 1]."""
+    return ref[pl.ds(a * SUB, SUB)].astype(jnp.float32)[:, None]
