@@ -130,7 +130,7 @@ def kda_tkg_reference(
     q, k, g, v, beta, S = (_f64(x) for x in (q, k, g, v, beta, S))
     heads_last = (0, 2, 1)  # [B, dk, H] -> [B, H, dk]
     q, k, g = (np.transpose(x, heads_last) for x in (q, k, g))
-    decay = activate_gate(g, _f64(a_log).reshape(-1), _f64(dt_bias).T, lower_bound)
+    decay = activate_gate(g[:, None], _f64(a_log).reshape(-1), _f64(dt_bias).T, lower_bound)[:, 0]
     q, k = l2_normalize(q), l2_normalize(k)
     beta = sigmoid(beta[:, 0, :])
     scale = float(np.asarray(scale).reshape(()))

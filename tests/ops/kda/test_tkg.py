@@ -1,0 +1,112 @@
+"""`kda_tkg` (seed 003's decode step in its layouts) against the float64 reference and against
+`kernel_delta_attention` chained over many tokens; in-place state under donation; bad input."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hybrax import kda_tkg, kernel_delta_attention
+from hybrax.ops.kda import reference, tkg
+from tests.helpers import TOLERANCE, assert_close, normal, to64
+
+LOWER_BOUND = -5.0
+
+
+def step_inputs(seed, batch, dk, heads, dv, dtype=jnp.float32):
+    """The seed's eleven arguments, in order (out is a zero destination)."""
+    return [
+        normal(seed, (batch, dk, heads), dtype), normal(seed + 1, (batch, dk, heads), dtype),
+        normal(seed + 2, (batch, heads, dv), dtype), normal(seed + 3, (batch, dk, heads)),
+        normal(seed + 4, (batch, 1, heads)), normal(seed + 5, (1, heads), scale=0.5),
+        normal(seed + 6, (dk, heads)), jnp.zeros((batch, heads, dv), dtype),
+        normal(seed + 7, (batch, heads, dk, dv), scale=0.5), jnp.full((1, 1), dk**-0.5), jnp.full((1, 1), LOWER_BOUND),
+    ]
+
+
+def reference_step(args):
+    without_out = [to64(x) for index, x in enumerate(args) if index != 7]
+    return reference.kda_tkg_reference(*without_out)
+
+
+def test_signature_is_the_seeds():
+    names = list(inspect.signature(kda_tkg).parameters)
+    assert names == ["q", "k", "v", "g", "beta", "a_log", "dt_bias", "out", "S", "scale", "lower_bound"]
+
+
+@pytest.mark.parametrize("dk, dv", [(16, 8), (256, 32)])
+def test_matches_reference(dk, dv):
+    args = step_inputs(0, 3, dk, 2, dv)
+    assert_close(jax.jit(kda_tkg)(*args), reference_step(args), TOLERANCE[jnp.float32])
+
+
+def test_bf16_inputs_give_out_dtype():
+    args = step_inputs(10, 2, 32, 2, 16, jnp.bfloat16)
+    o, state = kda_tkg(*args)
+    assert o.dtype == jnp.bfloat16 and state.dtype == jnp.float32
+    assert_close((o, state), reference_step(args), TOLERANCE[jnp.bfloat16])
+
+
+def test_pallas_kernel_step_in_interpret_mode():
+    # The GPU path (the fused decode kernel, scale and lower_bound as arrays), run in interpret mode.
+    args = step_inputs(20, 2, 16, 2, 16)
+    q, k, v, g, beta, a_log, dt_bias, _, state, scale, lower_bound = args
+    heads_first = [jnp.swapaxes(x, 1, 2)[:, None] for x in (q, k, g)]
+    out = tkg._pallas_step(
+        heads_first[0], heads_first[1], v[:, None], heads_first[2], beta, a_log.reshape(-1), dt_bias.T, state,
+        scale, lower_bound, interpret=True,
+    )
+    assert_close(out, reference_step(args), TOLERANCE[jnp.float32])
+
+
+def test_chained_steps_equal_kernel_delta_attention():
+    batch, length, heads, dk, dv = 2, 12, 2, 16, 8
+    q, k = normal(30, (batch, length, heads, dk)), normal(31, (batch, length, heads, dk))
+    v, g = normal(32, (batch, length, heads, dv)), normal(33, (batch, length, heads, dk))
+    beta, a_log, dt_bias = normal(34, (batch, length, heads)), normal(35, (heads,), scale=0.5), normal(36, (heads, dk))
+    state0 = normal(37, (batch, heads, dk, dv), scale=0.5)
+    whole, final = kernel_delta_attention(
+        q, k, v, beta, g, state0, a_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, beta_is_logits=True,
+        return_state=True, platform="xla",
+    )
+    step = jax.jit(kda_tkg, donate_argnums=8)
+    state, outs = state0 + 0.0, []
+    head_last = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, H, K] -> [B, K, H]
+    for t in range(length):
+        o, state = step(
+            head_last(q[:, t]), head_last(k[:, t]), v[:, t], head_last(g[:, t]), beta[:, t, None], a_log[None],
+            dt_bias.T, jnp.zeros((batch, heads, dv)), state, jnp.full((1, 1), dk**-0.5), jnp.full((1, 1), LOWER_BOUND),
+        )
+        outs.append(o)
+    assert_close((jnp.stack(outs, 1), state), (to64(whole), to64(final)), 1e-5)
+
+
+def test_donated_state_is_updated_in_place():
+    args = step_inputs(40, 2, 16, 2, 8)
+    state = args[8] + 0.0
+    pointer = state.unsafe_buffer_pointer()
+    args[8] = state
+    _, new_state = jax.jit(kda_tkg, donate_argnums=8)(*args)
+    assert state.is_deleted() and new_state.unsafe_buffer_pointer() == pointer
+
+
+@pytest.mark.parametrize(
+    "index, bad, name",
+    [(1, (2, 16, 3), "k"), (2, (2, 3, 8), "v"), (4, (2, 2), "beta"), (5, (2,), "a_log"), (6, (2, 16), "dt_bias"),
+     (7, (2, 2, 4), "out"), (8, (2, 2, 16, 4), "S"), (9, (1,), "scale"), (10, (), "lower_bound")],
+)
+def test_bad_shapes_name_the_argument(index, bad, name):
+    args = step_inputs(50, 2, 16, 2, 8)
+    args[index] = jnp.zeros(bad, jnp.float32)
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        kda_tkg(*args)
+
+
+def test_state_must_be_fp32():
+    args = step_inputs(60, 2, 16, 2, 8)
+    args[8] = args[8].astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="S must be float32"):
+        kda_tkg(*args)
