@@ -107,7 +107,56 @@ def recurrent_cases() -> list[Case]:
 
 
 def kda_cases() -> list[Case]:
-    return []
+    """KDA: the chunked, scan and Pallas-chunked (interpret mode off the GPU) implementations with
+    per-channel decay, grouped value heads and a state; the fused bounded gate with beta logits on packed
+    sequences; one decode step (kda_tkg, seed 003's layout). Outputs and final states."""
+    from hybrax import KernelDeltaAttentionConfig, kda_tkg, kernel_delta_attention
+    from hybrax.ops.kda.reference import kda_reference, kda_tkg_reference
+
+    rng = np.random.default_rng(0)
+    batch, seq_len, heads, value_heads, dim = 2, 256, 2, 4, 64
+
+    def normal(*shape, scale=1.0):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    q, k = normal(batch, seq_len, heads, dim), normal(batch, seq_len, heads, dim)
+    v, h0 = normal(batch, seq_len, value_heads, dim), normal(batch, value_heads, dim, dim, scale=0.5)
+    beta = 1 / (1 + np.exp(-normal(batch, seq_len, value_heads)))
+    decay = (-np.logaddexp(0.0, -(normal(batch, seq_len, value_heads, dim) + 3.0))).astype(np.float32)
+    gate = {"a_log": normal(value_heads, scale=0.5), "dt_bias": normal(value_heads, dim), "lower_bound": -5.0}
+    packed = (q[:1], k[:1], v[:1], normal(1, seq_len, value_heads), normal(1, seq_len, value_heads, dim),
+              normal(3, value_heads, dim, dim, scale=0.5))
+    cu_seqlens = np.array([0, 100, 100, 256], np.int32)
+    cases = []
+    for cfg in (KernelDeltaAttentionConfig("xla", "chunked"), KernelDeltaAttentionConfig("xla", "scan"),
+                KernelDeltaAttentionConfig("pallas", "chunked")):
+        run = jax.jit(lambda *a, cfg=cfg: kernel_delta_attention(*a, return_state=True, cfg=cfg))
+        cases.append(Case(
+            "kernel_delta_attention", f"{cfg.platform}:{cfg.backend}", f"channel,gva,h0 {batch}x{seq_len}x{heads}/{value_heads}x{dim}",
+            run=lambda run=run: run(q, k, v, beta, decay, h0),
+            reference=lambda: kda_reference(q, k, v, beta, decay, h0),
+        ))
+    for cfg in (KernelDeltaAttentionConfig("xla", "chunked"), KernelDeltaAttentionConfig("xla", "scan")):
+        run = jax.jit(lambda *a, cfg=cfg: kernel_delta_attention(
+            *a, cu_seqlens=cu_seqlens, beta_is_logits=True, return_state=True, cfg=cfg, **gate))
+        cases.append(Case(
+            "kernel_delta_attention", f"xla:{cfg.backend}", f"gate,packed 1x{seq_len}x{heads}/{value_heads}x{dim}",
+            run=lambda run=run: run(*packed),
+            reference=lambda: kda_reference(*packed, cu_seqlens=cu_seqlens, beta_is_logits=True, **gate),
+        ))
+    requests, dk = 8, 128
+    step = [normal(requests, dk, value_heads), normal(requests, dk, value_heads), normal(requests, value_heads, dk),
+            normal(requests, dk, value_heads), normal(requests, 1, value_heads), normal(1, value_heads, scale=0.5),
+            normal(dk, value_heads), np.zeros((requests, value_heads, dk), np.float32),
+            normal(requests, value_heads, dk, dk, scale=0.5), np.full((1, 1), dk**-0.5, np.float32),
+            np.full((1, 1), -5.0, np.float32)]
+    without_out = step[:7] + step[8:]
+    cases.append(Case(
+        "kda_tkg", "xla step" if jax.default_backend() != "gpu" else "pallas decode",
+        f"decode {requests}x{value_heads}x{dk}x{dk}", run=lambda: jax.jit(kda_tkg)(*step),
+        reference=lambda: kda_tkg_reference(*without_out),
+    ))
+    return cases
 
 
 def main() -> None:
