@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax.numpy as jnp
@@ -84,11 +85,13 @@ def _invocation(seq_len):
     return kernel, kernel.invocation(kernel.prepare(*call.args()))
 
 
-def test_heuristic_picks_scan_for_short_and_chunked_for_long_sequences():
+def test_heuristic_picks_scan_on_cpu_and_off_it_for_short_sequences_else_chunked():
     kernel, short = _invocation(8)
-    assert kernel.heuristic_cfg(short).backend == "scan"
     kernel, long = _invocation(64)
-    assert kernel.heuristic_cfg(long) == RecurrentAttentionConfig("xla", "chunked", chunk_size=64)
+    assert long.device == "cpu" and kernel.heuristic_cfg(long).backend == "scan"
+    on_gpu = lambda inv: dataclasses.replace(inv, device="gpu")  # noqa: E731
+    assert kernel.heuristic_cfg(on_gpu(short)).backend == "scan"
+    assert kernel.heuristic_cfg(on_gpu(long)) == RecurrentAttentionConfig("xla", "chunked", chunk_size=64)
 
 
 def test_autotune_candidates_cover_both_backends_and_chunk_sizes():

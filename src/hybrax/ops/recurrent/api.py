@@ -32,7 +32,8 @@ from hybrax.core.validate import (
 from hybrax.ops.recurrent import varlen
 
 OP_ID = "recurrent_attention"
-# Below this length the per-step scan beats the chunked algorithm's setup (and decoding is T=1).
+# Off the CPU, below this length the per-step scan beats the chunked algorithm's setup (and decoding
+# is T=1). On the CPU the scan wins at every length measured (its state stays in cache; BENCHMARKS.md).
 CHUNKED_MIN_SEQ_LEN = 64
 
 
@@ -183,7 +184,8 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
         return (output, final_state) if problem.return_state else output
 
     def heuristic_cfg(self, inv: Invocation) -> RecurrentAttentionConfig:
-        backend = "chunked" if inv.arrays["query"].shape[1] >= CHUNKED_MIN_SEQ_LEN else "scan"
+        long = inv.arrays["query"].shape[1] >= CHUNKED_MIN_SEQ_LEN
+        backend = "chunked" if long and inv.device != "cpu" else "scan"
         for impl in self.implementations(inv):
             if impl.backend == backend:
                 return impl.heuristic_cfg(inv)
