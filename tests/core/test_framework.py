@@ -10,6 +10,7 @@ import pytest
 from hybrax.core import (
     Autotuner, Executor, MemoryCache, PersistentCache, create_default_executor, implementations,
 )
+from hybrax.core.kernel import arrays_device
 from tests.core.toy_op import OP_ID, Toy, ToyConfig
 
 
@@ -23,6 +24,15 @@ def test_heuristic_picks_highest_priority_on_device():
     ex = Executor()
     inv = Toy().invocation(Toy().prepare(x, w))
     assert ex.select_config(Toy(), inv) == ToyConfig("xla", "plain", 1)
+
+
+def test_invocation_device_is_the_arrays_then_the_default():
+    x, w = _inputs()
+    (device,) = x.devices()
+    assert Toy().invocation(Toy().prepare(x, w)).device_kind == device.device_kind
+    seen = []
+    jax.jit(lambda x: seen.append(arrays_device(Toy().prepare(x, w))) or x)(x)
+    assert seen == [None]  # tracers carry no device: the default backend decides
 
 
 def test_explicit_platform_without_impl_lists_what_exists():

@@ -31,6 +31,19 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+def _platform(device: jax.Device) -> str:
+    return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+
+
+def arrays_device(problem: Any) -> jax.Device | None:
+    """The device of the problem's arrays in an eager call; None under a trace (any tracer: the
+    computation then runs where the trace is placed) or with no array."""
+    arrays = [a for a in array_fields(problem).values() if isinstance(a, jax.Array)]
+    if not arrays or any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return None
+    return next(iter(arrays[0].devices()))
+
+
 @dataclasses.dataclass(frozen=True)
 class Invocation(Generic[Cfg, Out]):
     """One call as the executor sees it: never concrete values, only shapes, dtypes and options.
@@ -94,7 +107,11 @@ class Kernel(Generic[Cfg, Out]):
         platform = platform or "auto"
         if platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
-        return Invocation(self.op_id, self.version, problem, platform, runtime_device(), device_kind())
+        # Where the arrays live (eager calls); under jit, where the computation runs by default.
+        device = arrays_device(problem)
+        if device is None:
+            return Invocation(self.op_id, self.version, problem, platform, runtime_device(), device_kind())
+        return Invocation(self.op_id, self.version, problem, platform, _platform(device), device.device_kind)
 
     def implementations(self, inv: Invocation) -> list[registry.Implementation]:
         """Registered implementations that support `inv`, best first."""
