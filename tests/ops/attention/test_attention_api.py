@@ -42,6 +42,17 @@ def test_executor_run_and_function_agree():
         assert_close(out, want, TOLERANCE[jnp.float32])
 
 
+def test_run_takes_the_seeds_argument_order():
+    q, k, v = _qkv()
+    mask = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 1, 10, k.shape[1]))
+    bias = normal(4, (2, 1, 10, k.shape[1]))
+    out = Attention().run(q, k, v, mask, bias, None, True, None, None, 0.3, cfg=AttentionConfig("xla", "direct"))
+    want = attention(q, k, v, bias, mask_info=MaskInfo.from_attention_mask(mask), softmax_scale=0.3)
+    assert_close(out, np.asarray(want, np.float64), 1e-6)
+    with pytest.raises(ValueError, match="attention_mask or mask_info"):
+        Attention().run(q, k, v, mask, mask_info=MaskInfo.from_attention_mask(mask))
+
+
 def _chosen(q_len, kv_len, batch=1, heads=1):
     q = jnp.zeros((batch, q_len, heads, 8))
     kv = jnp.zeros((batch, kv_len, heads, 8))

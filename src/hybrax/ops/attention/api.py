@@ -278,6 +278,28 @@ class Attention(Kernel[AttentionConfig, jax.Array]):
         batch, q_len, num_kv_heads, group, v_dim = result.shape
         return jnp.reshape(result, (batch, q_len, num_kv_heads * group, v_dim))
 
+    def run(
+        self, query: Any, key: Any, value: Any, attention_mask: Any = None, bias: Any = None,
+        init_bias: Callable[[], Any] | None = None, deterministic: bool = True, dropout_rng: Any = None,
+        softmax_aux: Any = None, softmax_scale: float | None = None, logits_soft_cap: float | None = None,
+        dtype: Any = None, softmax_dtype: Any = None, dropout_prob: float = 0.0, causal: bool = False,
+        sliding_window: int | tuple[int, int] | None = None, *, mask_info: MaskInfo | None = None,
+        platform: str | None = None, cfg: AttentionConfig | None = None,
+    ) -> jax.Array:
+        """Seed 002's `Attention.run` argument order (attention_mask: bool [B, 1 | H, Tq, Tk], True
+        keeps), so code written for it binds the same arguments. Returns the output only: the seed's
+        second result, the full attention weights, would cost [B, H, Tq, Tk] memory."""
+        if attention_mask is not None:
+            if mask_info is not None:
+                raise ValueError("give attention_mask or mask_info, not both")
+            mask_info = MaskInfo.from_attention_mask(attention_mask)
+        return super().run(
+            query, key, value, bias, dropout_rng, softmax_aux, mask_info=mask_info, init_bias=init_bias,
+            deterministic=deterministic, softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, dtype=dtype,
+            softmax_dtype=softmax_dtype, dropout_prob=dropout_prob, causal=causal, sliding_window=sliding_window,
+            platform=platform, cfg=cfg,
+        )
+
     def implementations(self, inv: Invocation) -> list:
         """Registry order, except that a long call moves the direct XLA implementation last."""
         impls = super().implementations(inv)
