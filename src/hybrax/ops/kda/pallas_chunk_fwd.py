@@ -9,10 +9,9 @@
 
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
 >= 16; zero keys, values, gates and betas leave the state untouched), crops the results, and
-registers the pipeline as `kernel_delta_attention`'s "pallas:chunked" implementation. Its gradient
-is, for now, the XLA chunked implementation's backward, fed the fp32 chunk states this forward
-keeps (so no XLA forward runs again). Not supported yet (`auto` then picks XLA): cu_seqlens, K or V
-above 256.
+registers the pipeline as `kernel_delta_attention`'s "pallas:chunked" implementation. Under
+differentiation it is, for now, the XLA chunked implementation (forward with residuals and backward).
+Not supported yet (`auto` then picks XLA): cu_seqlens, K or V above 256.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_solve import chunk_solve
 from hybrax.ops.kda.pallas_chunk_state import chunk_state
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
-from hybrax.ops.kda.xla_chunked import chunked_backward
+from hybrax.ops.kda.xla_chunked import chunked_backward, chunked_forward_with_residuals
 from hybrax.ops.kda.xla_scan import l2_normalize
 
 MIN_TILE = 16
@@ -61,9 +60,7 @@ def prepare_qk(q: jax.Array, k: jax.Array, scale: float, normalize: bool) -> tup
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "scale", "l2_normalize", "chunk", "block_v", "state_warps", "return_states", "interpret"
-    ),
+    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "interpret"),
 )
 def kda_chunk_fwd(
     q: Float[Array, "B T H K"],
@@ -78,11 +75,9 @@ def kda_chunk_fwd(
     chunk: int = 64,
     block_v: int = 32,
     state_warps: int = 4,
-    return_states: bool = False,
     interpret: bool = False,
-) -> tuple[jax.Array, ...]:
-    """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32); with
-    `return_states` also the fp32 state entering each chunk [B, HV, T/chunk, K, V] (for the backward).
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
+    """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32).
 
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H.
@@ -102,12 +97,10 @@ def kda_chunk_fwd(
     inverse, aqk = chunk_solve(q, k, g, beta, inverse_diagonal, aqk_diagonal, chunk=chunk, interpret=interpret)
     w, u, kg, qg, decay = chunk_wy(q, k, v, g, beta, inverse, chunk=chunk, interpret=interpret)
     h, v_new, final_state = chunk_state(
-        w, u, kg, decay, initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps,
-        states_fp32=return_states, interpret=interpret,
+        w, u, kg, decay, initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps, interpret=interpret
     )
     o = chunk_output(qg, h, aqk, v_new, chunk=chunk, interpret=interpret)
-    result = (o[:, :length, :, :dv], final_state[:, :, :dk, :dv])
-    return (*result, jnp.moveaxis(h[..., :dk, :dv], 1, 2)) if return_states else result
+    return o[:, :length, :, :dv], final_state[:, :, :dk, :dv]
 
 
 def _supports(inv: Invocation) -> str | None:
@@ -132,32 +125,23 @@ def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
     return [KernelDeltaAttentionConfig(chunk_size=c) for c in (32, 64)]
 
 
-def _run(problem: KdaProblem, cfg: KernelDeltaAttentionConfig, return_states: bool) -> tuple[jax.Array, ...]:
+def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     decay = jnp.broadcast_to(problem.decay, (*problem.beta.shape, problem.q.shape[3]))
-    o, *rest = kda_chunk_fwd(
+    o, final = kda_chunk_fwd(
         problem.q, problem.k, problem.v, decay, problem.beta, problem.initial_state,
         scale=problem.scale, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size,
-        return_states=return_states, interpret=runtime_device() != "gpu",
+        interpret=runtime_device() != "gpu",
     )
-    return o.astype(problem.q.dtype), *rest
+    return o.astype(problem.q.dtype), final
 
 
-def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
-    return _run(problem, cfg, return_states=False)
-
-
-def _forward(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-    """The forward keeps the fp32 state entering each chunk: exactly the residuals of the XLA chunked
-    backward, which then recomputes only the chunk-local terms, not the state pass."""
-    o, final, entering = _run(problem, cfg, return_states=True)
-    return (o, final), (problem, entering)
-
-
-# Below xla:chunked (20): on the H200 at (1, 8192, 32, 128) bf16 this forward takes 4.5 ms against
-# XLA's 9.0 ms, but forward+backward 25.0 ms against XLA's 23.6 ms (XLA shares the chunk-local terms
-# between its forward and backward; here the backward recomputes them), and 4x flash-linear-attention's
-# forward (BENCHMARKS.md). Ask for it with platform="pallas".
+# Under differentiation this is XLA chunked's forward and backward until a Pallas backward lands: the
+# Pallas forward feeding the XLA backward measured 25.0 ms forward+backward against XLA's own 23.6 ms at
+# (1, 8192, 32, 128) bf16 on the H200 (XLA shares the chunk-local terms between its forward and
+# backward; a backward after the Pallas forward must rebuild them). The forward alone took 4.5 ms
+# against XLA's 9.0 ms there with the one-kernel stage 1 (BENCHMARKS.md); the three-kernel stage 1
+# is not measured yet, so this stays below xla:chunked (20) for `auto`: ask with platform="pallas".
 register(
     OP_ID, "pallas", "chunked", priority=15, devices=("gpu",), heuristic_cfg=_heuristic,
-    candidate_cfgs=_candidates, supports=_supports, fwd=_forward, bwd=chunked_backward,
+    candidate_cfgs=_candidates, supports=_supports, fwd=chunked_forward_with_residuals, bwd=chunked_backward,
 )(_pallas_chunked)

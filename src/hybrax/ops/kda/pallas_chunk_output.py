@@ -16,9 +16,7 @@ from jax.experimental.pallas import triton as pltriton
 
 
 def _output_kernel(qg_ref, h_ref, aqk_ref, v_new_ref, o_ref, *, precision):
-    qg = qg_ref[...]
-    # h is fp32 when the forward keeps it for the backward: the dot takes qg's dtype.
-    inter = jnp.dot(qg, h_ref[...].astype(qg.dtype), precision=precision, preferred_element_type=jnp.float32)
+    inter = jnp.dot(qg_ref[...], h_ref[...], precision=precision, preferred_element_type=jnp.float32)
     intra = jnp.dot(aqk_ref[...], v_new_ref[...], precision=precision, preferred_element_type=jnp.float32)
     o_ref[...] = (inter + intra).astype(o_ref.dtype)
 

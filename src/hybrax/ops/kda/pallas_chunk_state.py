@@ -3,7 +3,7 @@
 One program per (value block, value head, batch) keeps its [K, BV] slice of the fp32 state on
 chip and walks the chunks in order. At chunk t, with h the state before it:
 
-    h_t   = h                                  stored for the output stage (and the backward)
+    h_t   = h                                  stored for the output stage
     v_new = u_t - w_t h                        the chunk's delta-rule corrections
     h     = decay_t * h + kg_t^T v_new         decayed to the chunk's end, then updated
 """
@@ -42,18 +42,15 @@ def _state_kernel(w_ref, u_ref, kg_ref, decay_ref, h0_ref, h_ref, v_new_ref, fin
     final_ref[...] = lax.fori_loop(0, n_chunks, step, state)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "states_fp32", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_state(
     w: jax.Array, u: jax.Array, kg: jax.Array, decay: jax.Array, initial_state: jax.Array | None, *,
-    chunk: int = 64, block_v: int = 32, num_warps: int = 4, num_stages: int = 2, states_fp32: bool = False,
-    interpret: bool = False,
+    chunk: int = 64, block_v: int = 32, num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Stage 2: w, kg [B, T, HV, K]; u [B, T, HV, V]; decay [B, NT, HV, K]; initial_state [B, HV, K, V] or None.
 
-    Returns the chunk-start states h [B, NT, HV, K, V] (the input dtype, or fp32 with `states_fp32`:
-    what the backward needs), v_new [B, T, HV, V] and the final state [B, HV, K, V] fp32.
+    Returns the chunk-start states h [B, NT, HV, K, V] (input dtype), v_new [B, T, HV, V] and the
+    final state [B, HV, K, V] fp32.
     """
     batch, length, heads, dk = w.shape
     dv = u.shape[3]
@@ -82,7 +79,7 @@ def chunk_state(
             state_spec,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), jnp.float32 if states_fp32 else w.dtype),
+            jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), w.dtype),
             jax.ShapeDtypeStruct(u.shape, w.dtype),
             jax.ShapeDtypeStruct((batch, heads, dk, dv), jnp.float32),
         ],

@@ -312,7 +312,7 @@ def _forward(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[tupl
     return _outputs(problem, layout, o, finals), entering
 
 
-def _forward_with_residuals(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple:
+def chunked_forward_with_residuals(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple:
     result, entering = _forward(problem, cfg)
     return result, (problem, entering)
 
@@ -356,6 +356,6 @@ def _supports(inv: Invocation) -> str | None:
 
 
 @register(OP_ID, "xla", "chunked", priority=20, heuristic_cfg=_heuristic, candidate_cfgs=_candidates,
-          supports=_supports, fwd=_forward_with_residuals, bwd=chunked_backward)
+          supports=_supports, fwd=chunked_forward_with_residuals, bwd=chunked_backward)
 def kda_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     return _forward(problem, cfg)[0]
