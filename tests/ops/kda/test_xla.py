@@ -36,9 +36,48 @@ def test_matches_reference(decay, cfg):
     assert_close(out, reference.kda_reference(*(to64(x) for x in args)), TOLERANCE[jnp.float32])
 
 
-def test_bf16():
+def _softplus_gate(length):
+    """The fused softplus gate (no lower_bound): decay holds the raw gate input, beta logits."""
+    q, k, v, _, _, h0 = inputs(length)
+    raw, beta = normal(4, (B, length, HV, K)), normal(3, (B, length, HV))
+    gate = {"a_log": normal(8, (HV,), scale=0.5), "dt_bias": normal(9, (HV * K,)), "beta_is_logits": True}
+    return (q, k, v, beta, raw, h0), gate
+
+
+def _unnormalized(length):
+    """q and k as they come (|k|^2 ~ 1, so the delta rule stays contractive), a scale of our own."""
+    q, k, v, beta, g, h0 = inputs(length)
+    return (q * K**-0.5, k * K**-0.5, v, beta, g, h0), {"use_qk_l2norm": False, "softmax_scale": 0.7}
+
+
+CASES = {
+    "softplus_gate": lambda: _softplus_gate(T),
+    "no_l2norm_scale": lambda: _unnormalized(T),
+    "one_token": lambda: (inputs(length=1), {}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("cfg", [CHUNKED[16], SCAN], ids=["chunked", "scan"])
+def test_options_match_reference(case, cfg):
+    args, options = CASES[case]()
+    out = kernel_delta_attention(*args, return_state=True, cfg=cfg, **options)
+    arrays_as64 = {n: to64(x) if isinstance(x, jax.Array) else x for n, x in options.items()}
+    want = reference.kda_reference(*(to64(x) for x in args), **arrays_as64)
+    assert_close(out, want, TOLERANCE[jnp.float32])
+
+
+def test_chunk_128_over_two_chunks():
+    args = inputs(length=150, batch=1)
+    cfg = KernelDeltaAttentionConfig("xla", "chunked", chunk_size=128)
+    out = kernel_delta_attention(*args, return_state=True, cfg=cfg)
+    assert_close(out, reference.kda_reference(*(to64(x) for x in args)), TOLERANCE[jnp.float32])
+
+
+@pytest.mark.parametrize("cfg", [None, SCAN], ids=["auto", "scan"])
+def test_bf16(cfg):
     args = inputs(dtype=jnp.bfloat16)
-    o, s = kernel_delta_attention(*args, return_state=True)
+    o, s = kernel_delta_attention(*args, return_state=True, cfg=cfg)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     assert_close((o, s), reference.kda_reference(*(to64(x) for x in args)), TOLERANCE[jnp.bfloat16])
 
@@ -82,6 +121,23 @@ def test_gradients_chunked_equal_scan(lower_bound, cu):
     args = (q, k, v, beta, raw, a_log, dt_bias, h0)
     want = jax.grad(loss(SCAN), argnums=tuple(range(8)))(*args)
     got = jax.jit(jax.grad(loss(CHUNKED[16]), argnums=tuple(range(8))))(*args)
+    assert_close(got, jax.tree.map(to64, want), 1e-5, "gradients")
+
+
+def test_per_head_decay_gradients_chunked_equal_scan():
+    q, k, v, beta, g, h0 = inputs(length=37, decay="head")
+    w, ws = normal(11, v.shape), normal(12, h0.shape)
+
+    def loss(cfg):
+        def f(*a):
+            o, s = kernel_delta_attention(*a, return_state=True, cfg=cfg)
+            return jnp.sum(o * w) + jnp.sum(s * ws)
+        return f
+
+    args = (q, k, v, beta, g, h0)
+    want = jax.grad(loss(SCAN), argnums=tuple(range(6)))(*args)
+    got = jax.jit(jax.grad(loss(CHUNKED[16]), argnums=tuple(range(6))))(*args)
+    assert got[4].shape == g.shape
     assert_close(got, jax.tree.map(to64, want), 1e-5, "gradients")
 
 
