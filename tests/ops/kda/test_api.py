@@ -76,6 +76,7 @@ def _bad(name):
         "dt_bias shape": ((q, k, v, beta, g), {"a_log": a_log, "dt_bias": dt_bias[:, :3]}),
         "dt_bias without a_log": ((q, k, v, beta, g), {"dt_bias": dt_bias}),
         "lower_bound positive": ((q, k, v, beta, g), {"a_log": a_log, "lower_bound": 2.0}),
+        "lower_bound positive array": ((q, k, v, beta, g), {"a_log": a_log, "lower_bound": jnp.array([2.0])}),
         "lower_bound shape": ((q, k, v, beta, g), {"a_log": a_log, "lower_bound": jnp.array([-1.0, -2.0])}),
         "lower_bound without a_log": ((q, k, v, beta, g), {"lower_bound": -1.0}),
         "a_log without decay": ((q, k, v, beta), {"a_log": a_log}),
@@ -86,9 +87,16 @@ def _bad(name):
     }[name]
 
 
+def test_numpy_scalars_are_numbers():
+    q, k, v, beta, g, _ = inputs()
+    want = kernel_delta_attention(q, k, v, beta, g, softmax_scale=0.5)
+    assert_close(kernel_delta_attention(q, k, v, beta, g, softmax_scale=np.float32(0.5)), to64(want), 1e-7)
+
+
 @pytest.mark.parametrize("case, match", [
     ("a_log shape", "^a_log"), ("a_log dtype", "^a_log"), ("dt_bias shape", "^dt_bias"),
     ("dt_bias without a_log", "^dt_bias"), ("lower_bound positive", "^lower_bound"),
+    ("lower_bound positive array", "^lower_bound"),
     ("lower_bound shape", "^lower_bound"), ("lower_bound without a_log", "^lower_bound"),
     ("a_log without decay", "^decay"), ("value heads", "num_value_heads of value"), ("key shape", "^key"),
     ("key dtype", "query, key and value"), ("softmax_scale", "^softmax_scale"),

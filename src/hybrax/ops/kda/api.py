@@ -127,12 +127,11 @@ def _gate_parameters(a_log: Any, dt_bias: Any, heads: int, dk: int) -> tuple[Any
 
 
 def _check_lower_bound(lower_bound: Any) -> None:
-    if isinstance(lower_bound, (int, float)) and not isinstance(lower_bound, bool):
-        if not lower_bound <= 0:
-            raise ValueError(f"lower_bound must be <= 0 (the gate is lower_bound * sigmoid(...)), got {lower_bound}")
-        return
+    """A number or one-element array <= 0 (its value is checked unless it is traced)."""
     if jnp.size(lower_bound) != 1:
         raise ValueError(f"lower_bound must be a scalar or an array of one element, got {describe(jnp.shape(lower_bound))}")
+    if _is_concrete(lower_bound) and not float(np.asarray(lower_bound).reshape(())) <= 0:
+        raise ValueError(f"lower_bound must be <= 0 (the gate is lower_bound * sigmoid(...)), got {lower_bound}")
 
 
 def _log_decay(decay: Any, a_log: Any, dt_bias: Any, lower_bound: Any, batch: int, length: int, heads: int,
@@ -190,8 +189,8 @@ class KernelDeltaAttention(Kernel[KernelDeltaAttentionConfig, Any]):
             check_floating("initial_state", initial_state)
             initial_state = jnp.asarray(initial_state, jnp.float32)
         scale = dk**-0.5 if softmax_scale is None else softmax_scale
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-            raise ValueError(f"softmax_scale must be a positive Python number or None, got {softmax_scale!r}")
+        if isinstance(scale, bool) or not _is_concrete(scale) or np.ndim(scale) != 0 or not float(scale) > 0:
+            raise ValueError(f"softmax_scale must be a positive number (not traced) or None, got {softmax_scale!r}")
         return KdaProblem(
             q=query, k=key, v=value,
             beta=activate_beta(beta, beta_is_logits),
