@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from hybrax import RecurrentAttention, RecurrentAttentionConfig, recurrent_attention
+from hybrax import RecurrentAttention, RecurrentAttentionConfig, create_default_executor, recurrent_attention
 from hybrax.core import Autotuner, Executor
 from hybrax.ops.recurrent.xla_chunked import CHUNK_SIZES
-from tests.ops.recurrent.inputs import ARG_NAMES, make_call, normal
+from tests.helpers import TOLERANCE, assert_close
+from tests.ops.recurrent.inputs import ARG_NAMES, IMPLS, make_call, normal
 
 
 def test_signature_is_the_seeds():
@@ -21,6 +24,22 @@ def test_signature_is_the_seeds():
     assert positional == list(ARG_NAMES)
     assert keyword == ["softmax_scale", "reverse", "return_state", "platform", "cfg"]
     assert all(parameters[n].default is None for n in ARG_NAMES[3:])
+
+
+@pytest.mark.parametrize("cfg", [None, IMPLS["chunked"]], ids=["heuristic", "chunked"])
+def test_executor_run_and_function_agree(cfg):
+    """Packed and reversed, so that every keyword reaches prepare/finalize through each entry point; bitwise
+    equal, so an explicit cfg that one entry point dropped (the scan instead of chunked) would show.
+    Jitted: eager dispatch of the chunked algorithm's many small ops takes seconds on 2 cores."""
+    call = make_call(5, cu_seqlens=[0, 7, 7, 26], key_dim=4, value_dim=3, reverse=True)
+    options = dict(reverse=True, return_state=True, cfg=cfg)
+    executor = create_default_executor(persistent=False)
+    function = jax.jit(lambda *args: recurrent_attention(*args, **options))(*call.args())
+    assert_close(function, call.reference(), TOLERANCE[jnp.float32])
+    for name, entry in (("executor", lambda *args: executor(RecurrentAttention(), *args, **options)),
+                        ("run", lambda *args: RecurrentAttention().run(*args, **options))):
+        for got, want in zip(jax.jit(entry)(*call.args()), function, strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 def _bad(**changes):

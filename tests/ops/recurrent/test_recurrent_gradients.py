@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrax import recurrent_attention
+from hybrax import RecurrentAttentionConfig, recurrent_attention
 from hybrax.ops.recurrent.reference import recurrent_reference
 from tests.helpers import TOLERANCE, assert_close
 from tests.ops.recurrent.inputs import ARG_NAMES, IMPLS, make_call, normal
@@ -133,3 +133,35 @@ def test_bfloat16_gradients(impl):
     for index, got, want in zip(_present(call), ours, expected, strict=True):
         assert got.dtype == call.args()[index].dtype
         assert_close(got, want, TOLERANCE[jnp.bfloat16], what=f"d{DIFFERENTIABLE[index]}")
+
+
+# Per-chunk states at the chunk size the heuristic picks off the CPU: T/64 of them.
+MEMORY_IMPLS = {"scan": IMPLS["scan"], "chunked": RecurrentAttentionConfig("xla", "chunked", chunk_size=64)}
+# Compiled temp memory (forward, and jax.grad of output and final state) as a fraction of the T per-step
+# [K, V] states that neither implementation may keep. Anything that keeps them needs at least 1: autodiff
+# through a per-step lax.scan keeps 3.1 (the state and its decayed copy at each step; 395 MiB here), an
+# associative scan over a [T, K, V] decay tensor 5.0 forward. Measured (jax 0.11.2, CPU): the scan
+# 0.047 / 0.089 (the carried state plus time-major copies of the [T, H, K] inputs); chunked 0.149 / 0.336
+# (per-chunk states: a few copies in each of the backward's three recurrences, plus [T, H, K] decays).
+MEMORY_FRACTION = {"scan": 1 / 8, "chunked": 1 / 2}
+
+
+@pytest.mark.parametrize("impl", MEMORY_IMPLS)
+def test_memory_stays_far_below_per_step_states(impl):
+    batch, seq_len, heads, dim = 1, 1024, 2, 128  # K = V = 128: per-step states (128 MiB) dwarf [T, H, K] arrays
+    tokens = jax.ShapeDtypeStruct((batch, seq_len, heads, dim), jnp.float32)
+    state = jax.ShapeDtypeStruct((batch, heads, dim, dim), jnp.float32)
+    per_step_states_bytes = seq_len * batch * heads * dim * dim * 4
+
+    def forward(q, k, v, gk, gv, h0):
+        return recurrent_attention(q, k, v, None, None, gk, gv, h0, return_state=True, cfg=MEMORY_IMPLS[impl])
+
+    def loss(*args):
+        output, final = forward(*args)
+        return jnp.sum(output) + jnp.sum(final)
+
+    specs = (tokens,) * 5 + (state,)
+    for what, fn in (("forward", forward), ("grad", jax.grad(loss, argnums=tuple(range(6))))):
+        temp = jax.jit(fn).lower(*specs).compile().memory_analysis().temp_size_in_bytes
+        assert temp < MEMORY_FRACTION[impl] * per_step_states_bytes, (
+            f"{what}: temp memory {temp / 2**20:.1f} MiB, per-step states {per_step_states_bytes / 2**20:.0f} MiB")
