@@ -36,8 +36,9 @@ def test_executor_run_and_function_agree(cfg):
     executor = create_default_executor(persistent=False)
     function = jax.jit(lambda *args: recurrent_attention(*args, **options))(*call.args())
     assert_close(function, call.reference(), TOLERANCE[jnp.float32])
-    for name, entry in (("executor", lambda *args: executor(RecurrentAttention(), *args, **options)),
-                        ("run", lambda *args: RecurrentAttention().run(*args, **options))):
+    # Kernel.run takes seed 001's order: (..., gv, softmax_scale, initial_state, reverse, cu_seqlens, return_state).
+    run = lambda *args: RecurrentAttention().run(*args[:7], None, args[7], True, args[8], True, cfg=cfg)  # noqa: E731
+    for name, entry in (("executor", lambda *args: executor(RecurrentAttention(), *args, **options)), ("run", run)):
         for got, want in zip(jax.jit(entry)(*call.args()), function, strict=True):
             np.testing.assert_array_equal(got, want, err_msg=name)
 

@@ -183,6 +183,18 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
                 final_state = jnp.flip(final_state, 0)
         return (output, final_state) if problem.return_state else output
 
+    def run(
+        self, query: Any, key: Any, value: Any, g: Any = None, g_gamma: Any = None, gk: Any = None, gv: Any = None,
+        softmax_scale: float | None = None, initial_state: Any = None, reverse: bool = False, cu_seqlens: Any = None,
+        return_state: bool = False, platform: str | None = None, *, cfg: RecurrentAttentionConfig | None = None,
+    ) -> Any:
+        """Seed 001's `RecurrentAttention.run` argument order (softmax_scale before initial_state,
+        reverse before cu_seqlens), so code written for it binds the same arguments."""
+        return super().run(
+            query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens, softmax_scale=softmax_scale,
+            reverse=reverse, return_state=return_state, platform=platform, cfg=cfg,
+        )
+
     def heuristic_cfg(self, inv: Invocation) -> RecurrentAttentionConfig:
         long = inv.arrays["query"].shape[1] >= CHUNKED_MIN_SEQ_LEN
         backend = "chunked" if long and inv.device != "cpu" else "scan"
