@@ -1,11 +1,11 @@
-"""KDA chunked forward on the GPU with Pallas (Triton lowering): the three stages end to end.
+"""KDA chunked forward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    stage 0  pallas_chunk_cumsum  the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
+    stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
     stage 1a pallas_chunk_diagonal  the diagonal 16x16 blocks of A_kk (inverted) and A_qk (per sub-chunk)
     stage 1b pallas_chunk_solve     the blocks below them, T = (I + A_kk)^-1 and A_qk whole (per chunk)
     stage 1c pallas_chunk_wy        w, u (the WY form), kg, qg, the chunk's decay (per chunk)
-    stage 2  pallas_chunk_state   the state pass, state on chip, serial over chunks
-    stage 3  pallas_chunk_output  o = qg h + A_qk v_new (per chunk)
+    stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks
+    stage 3  pallas_chunk_output    o = qg h + A_qk v_new (per chunk)
 
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
 >= 16; zero keys, values, gates and betas leave the state untouched), crops the results, and
