@@ -7,7 +7,7 @@ Run on the GPU machine (fla-core 0.6.0 wheel carried in .whl/):
 
 For every shape it checks correctness at full size (ours and fla against an fp32 recurrence on the
 same inputs), then times the forward of fla, ours (pallas:chunked) and our XLA chunked path, the
-three Pallas stages alone (first `--stages` shapes), and forward+backward with peak memory
+Pallas kernels one by one (first `--stages` shapes), and forward+backward with peak memory
 (median of event-timed runs for torch, median over rounds of back-to-back jitted calls for JAX;
 ours through the public `kernel_delta_attention`). Compiles are slow (fla autotunes ~70 s on its
 first call, our stage 1 compiles ~40 s): use --shapes and the --no-* flags to fit a 10-minute call. A short table is printed last; the full numbers go
