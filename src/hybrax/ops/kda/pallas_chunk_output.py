@@ -10,9 +10,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from hybrax.ops.kda.pallas_tiles import dot_settings
 
 
 def _output_kernel(qg_ref, h_ref, aqk_ref, v_new_ref, o_ref, *, precision):
@@ -29,7 +30,7 @@ def chunk_output(
     """Stage 3: qg [B, T, HV, K]; h [B, NT, HV, K, V]; A_qk [B, T, HV, chunk]; v_new [B, T, HV, V] -> o."""
     batch, length, heads, dk = qg.shape
     dv = v_new.shape[3]
-    precision = lax.Precision.HIGHEST if qg.dtype == jnp.float32 else None
+    _, precision = dot_settings(qg.dtype, interpret)
 
     def token_spec(width):
         return pl.BlockSpec((None, chunk, None, width), lambda t, hh, b: (b, t, hh, 0))

@@ -18,6 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from hybrax.ops.kda.pallas_tiles import dot_settings
+
 
 def _state_kernel(w_ref, u_ref, kg_ref, decay_ref, h0_ref, h_ref, v_new_ref, final_ref, *, chunk: int, precision):
     n_chunks = decay_ref.shape[0]
@@ -56,7 +58,7 @@ def chunk_state(
     dv = u.shape[3]
     n_chunks = length // chunk
     block_v = min(block_v, dv)
-    precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+    _, precision = dot_settings(w.dtype, interpret)
 
     # Whole-sequence blocks: the program walks the chunks itself.
     keys_spec = pl.BlockSpec((None, length, None, dk), lambda j, h, b: (b, 0, h, 0))

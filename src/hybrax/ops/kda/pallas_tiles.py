@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
 EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding
-# The fp32 dots of A_kk and its inverse on the GPU: three tf32 passes on the tensor cores keep
+# fp32 dots on the GPU (A_kk, its inverse; every dot of fp32 inputs): three tf32 passes on the tensor cores keep
 # fp32 accuracy; Triton's exact fp32 dot runs on the FMA units and made stage 1 2x slower
 # (benchmarks/kda_stage1_ablation.py). The CPU (interpret mode) has no tf32 and computes them exactly.
 GPU_SOLVE_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
