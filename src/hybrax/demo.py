@@ -132,7 +132,8 @@ def kda_cases() -> list[Case]:
                 KernelDeltaAttentionConfig("pallas", "chunked")):
         run = jax.jit(lambda *a, cfg=cfg: kernel_delta_attention(*a, return_state=True, cfg=cfg))
         cases.append(Case(
-            "kernel_delta_attention", f"{cfg.platform}:{cfg.backend}", f"channel,gva,h0 {batch}x{seq_len}x{heads}/{value_heads}x{dim}",
+            "kernel_delta_attention", f"{cfg.platform}:{cfg.backend}",
+            f"channel,gva,h0 {batch}x{seq_len}x{heads}/{value_heads}x{dim}",
             run=lambda run=run: run(q, k, v, beta, decay, h0),
             reference=lambda: kda_reference(q, k, v, beta, decay, h0),
         ))

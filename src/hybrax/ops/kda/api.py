@@ -129,7 +129,8 @@ def _gate_parameters(a_log: Any, dt_bias: Any, heads: int, dk: int) -> tuple[Any
 def _check_lower_bound(lower_bound: Any) -> None:
     """A number or one-element array <= 0 (its value is checked unless it is traced)."""
     if jnp.size(lower_bound) != 1:
-        raise ValueError(f"lower_bound must be a scalar or an array of one element, got {describe(jnp.shape(lower_bound))}")
+        shape = describe(jnp.shape(lower_bound))
+        raise ValueError(f"lower_bound must be a scalar or an array of one element, got {shape}")
     if _is_concrete(lower_bound) and not float(np.asarray(lower_bound).reshape(())) <= 0:
         raise ValueError(f"lower_bound must be <= 0 (the gate is lower_bound * sigmoid(...)), got {lower_bound}")
 
