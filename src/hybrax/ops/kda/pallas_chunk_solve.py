@@ -26,7 +26,7 @@ from hybrax.ops.kda.pallas_tiles import SUB, dot_settings, mm, mm_t, solve_preci
 
 def _solve_kernel(
     q_ref, k_ref, g_ref, beta_ref, inverse_diagonal_ref, aqk_diagonal_ref, inverse_ref, aqk_ref,
-    *, compute_dtype, precision, exact,
+    *, compute_dtype, precision, fp32_precision,
 ):
     n_sub = q_ref.shape[0] // SUB
     akk, inverse = {}, {}
@@ -45,14 +45,14 @@ def _solve_kernel(
         left_qk = sub_tile(q_ref, a) * to_start
         for b in range(a):
             right = sub_tile(k_ref, b) * jnp.exp(start - sub_tile(g_ref, b))
-            akk[a, b] = mm_t(left_kk, right, jnp.float32, exact)
+            akk[a, b] = mm_t(left_kk, right, jnp.float32, fp32_precision)
             aqk_ref[rows, pl.ds(b * SUB, SUB)] = mm_t(left_qk, right, compute_dtype, precision).astype(aqk_ref.dtype)
 
     for a in range(n_sub):
         rows = pl.ds(a * SUB, SUB)
         for b in range(a - 1, -1, -1):
-            acc = sum(mm(akk[a, c], inverse[c, b], jnp.float32, exact) for c in range(b, a))
-            inverse[a, b] = -mm(inverse[a, a], acc, jnp.float32, exact)
+            acc = sum(mm(akk[a, c], inverse[c, b], jnp.float32, fp32_precision) for c in range(b, a))
+            inverse[a, b] = -mm(inverse[a, a], acc, jnp.float32, fp32_precision)
         for b in range(a + 1):
             inverse_ref[rows, pl.ds(b * SUB, SUB)] = inverse[a, b].astype(inverse_ref.dtype)
 
@@ -77,7 +77,7 @@ def chunk_solve(
 
     out = jax.ShapeDtypeStruct((batch, length, value_heads, chunk), q.dtype)
     kernel = functools.partial(
-        _solve_kernel, compute_dtype=compute_dtype, precision=precision, exact=solve_precision(interpret)
+        _solve_kernel, compute_dtype=compute_dtype, precision=precision, fp32_precision=solve_precision(interpret)
     )
     return pl.pallas_call(
         kernel,

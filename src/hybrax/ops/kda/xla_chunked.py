@@ -321,7 +321,7 @@ def chunked_backward(
     cfg: KernelDeltaAttentionConfig, residuals: tuple[KdaProblem, jax.Array], ct: tuple
 ) -> KdaProblem:
     """The gradient from the problem and the fp32 states entering each chunk [R, HV, Nc, K, V]
-    (any forward that computes those can use it: the Pallas one does)."""
+    (the residuals of `chunked_forward_with_residuals`)."""
     problem, entering = residuals
     chunk = cfg.chunk_size
     layout = _layout(problem, chunk)
