@@ -35,7 +35,6 @@ from timing import print_table  # noqa: E402
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_diagonal import chunk_diagonal  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_output import chunk_output  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_solve import chunk_solve  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state import chunk_state  # noqa: E402
@@ -157,18 +156,30 @@ def staged(row: dict, name: str, fn, *args):
     return out
 
 
-def time_stages(row: dict, q, k, v, g, beta, scale: float) -> None:
-    """Each kernel alone, on the inputs it sees inside the pipeline."""
+# Launch settings tried per kernel with --sweep (the first of each is the pipeline's default).
+SOLVE_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k32w2": dict(block_k=32, num_warps=2),
+                  "k64w4": dict(block_k=64, num_warps=4), "k16w2": dict(block_k=16, num_warps=2),
+                  "k32w8": dict(block_k=32, num_warps=8)}
+WY_VARIANTS = {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8)}
+STATE_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4), "v16w2": dict(block_v=16, num_warps=2),
+                  "v64w4": dict(block_v=64, num_warps=4), "v32w2": dict(block_v=32, num_warps=2)}
+
+
+def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: bool) -> None:
+    """Each kernel alone, on the inputs it sees inside the pipeline (with --sweep: each launch variant)."""
     chunk = 64
+    pick = lambda variants: variants if sweep else dict([next(iter(variants.items()))])  # noqa: E731
     prepare = jax.jit(lambda q, k, g: (*prepare_qk(q, k, scale, True), chunk_local_cumsum(g, chunk=chunk)))
     qn, kn, gates = staged(row, "prepare", prepare, q, k, g)
-    blocks = staged(row, "diagonal", jax.jit(chunk_diagonal), qn, kn, gates, beta)
-    solve = jax.jit(functools.partial(chunk_solve, chunk=chunk))
-    inverse, aqk = staged(row, "solve", solve, qn, kn, gates, beta, *blocks)
-    wy = jax.jit(functools.partial(chunk_wy, chunk=chunk))
-    w, u, kg, qg, decay = staged(row, "wy", wy, qn, kn, v, gates, beta, inverse)
-    state = jax.jit(lambda w, u, kg, decay: chunk_state(w, u, kg, decay, None))
-    h, v_new, _ = staged(row, "state", state, w, u, kg, decay)
+    for name, settings in pick(SOLVE_VARIANTS).items():
+        solve = jax.jit(functools.partial(chunk_solve, chunk=chunk, **settings))
+        inverse, aqk = staged(row, f"solve_{name}", solve, qn, kn, gates, beta)
+    for name, settings in pick(WY_VARIANTS).items():
+        wy = jax.jit(functools.partial(chunk_wy, chunk=chunk, **settings))
+        w, u, kg, qg, decay = staged(row, f"wy_{name}", wy, qn, kn, v, gates, beta, inverse)
+    for name, settings in pick(STATE_VARIANTS).items():
+        state = jax.jit(lambda w, u, kg, decay, settings=settings: chunk_state(w, u, kg, decay, None, **settings))
+        h, v_new, _ = staged(row, f"state_{name}", state, w, u, kg, decay)
     staged(row, "output", jax.jit(chunk_output), qg, h, aqk, v_new)
     log(f"{row}")
 
@@ -183,7 +194,7 @@ def bench_shape(shape, args, index: int) -> dict:
     scale = dim ** -0.5
     ours, ours_grad = ours_runners("pallas", scale)
     if index < args.stages:
-        time_stages(row, q, k, v, g, beta, scale)
+        time_stages(row, q, k, v, g, beta, scale, args.sweep)
 
     out, final = jax.block_until_ready(ours(q, k, v, g, beta))
     log(f"{shape} ours compiled and ran")
@@ -229,6 +240,7 @@ def main() -> None:
     parser.add_argument("--no-xla", action="store_true", help="skip our XLA chunked path")
     parser.add_argument("--no-bwd", action="store_true", help="forward only")
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
+    parser.add_argument("--sweep", action="store_true", help="time each kernel's launch variants")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
     import torch
@@ -246,9 +258,13 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "prepare_ms", "diagonal_ms", "solve_ms", "wy_ms", "state_ms", "output_ms", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
+               "prepare_ms", "solve_k32w4_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
                "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
+    for row in rows:
+        variants = [name for name in row if name.startswith(("solve_", "wy_", "state_"))]
+        if len(variants) > 3:
+            print(row["shape"], "  ".join(f"{name[:-3]} {row[name]}" for name in variants))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the stages end to end.
 
     stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
-    stage 1a pallas_chunk_diagonal  the diagonal 16x16 blocks of A_kk (inverted) and A_qk (per sub-chunk)
-    stage 1b pallas_chunk_solve     the blocks below them, T = (I + A_kk)^-1 and A_qk whole (per chunk)
-    stage 1c pallas_chunk_wy        w, u (the WY form), kg, qg, the chunk's decay (per chunk)
+    stage 1a pallas_chunk_solve     A_kk, A_qk from 16x16 block matmuls, T = (I + A_kk)^-1 (per chunk)
+    stage 1b pallas_chunk_wy        w, u (the WY form), kg, qg, the chunk's decay (per chunk)
     stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks
     stage 3  pallas_chunk_output    o = qg h + A_qk v_new (per chunk)
 
@@ -25,7 +24,6 @@ from jaxtyping import Array, Float
 from hybrax.core import Invocation, register, runtime_device
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_diagonal import chunk_diagonal
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_solve import chunk_solve
 from hybrax.ops.kda.pallas_chunk_state import chunk_state
@@ -93,8 +91,7 @@ def kda_chunk_fwd(
     beta = _pad_to(beta.astype(jnp.float32), {1: padded_length})
     initial_state = _pad_to(initial_state, {2: kp, 3: vp})
 
-    inverse_diagonal, aqk_diagonal = chunk_diagonal(q, k, g, beta, interpret=interpret)
-    inverse, aqk = chunk_solve(q, k, g, beta, inverse_diagonal, aqk_diagonal, chunk=chunk, interpret=interpret)
+    inverse, aqk = chunk_solve(q, k, g, beta, chunk=chunk, interpret=interpret)
     w, u, kg, qg, decay = chunk_wy(q, k, v, g, beta, inverse, chunk=chunk, interpret=interpret)
     h, v_new, final_state = chunk_state(
         w, u, kg, decay, initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps, interpret=interpret

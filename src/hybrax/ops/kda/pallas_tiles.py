@@ -13,14 +13,20 @@ from jax.experimental import pallas as pl
 
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
 EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding
-# fp32 dots on the GPU (A_kk, its inverse; every dot of fp32 inputs): three tf32 passes on the tensor cores keep
-# fp32 accuracy; Triton's exact fp32 dot runs on the FMA units and made stage 1 2x slower
-# (benchmarks/kda_stage1_ablation.py). The CPU (interpret mode) has no tf32 and computes them exactly.
-GPU_SOLVE_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+# fp32 dots on the GPU (A_kk, A_qk, T; every dot of fp32 inputs): for fp32 inputs three tf32 passes on the
+# tensor cores keep fp32 accuracy (Triton's exact fp32 dot runs on the FMA units and made stage 1 2x
+# slower); for bf16 inputs one tf32 pass, as flash-linear-attention: on the H200 it gave the same output
+# and state errors as three passes (4.2e-3, 3.2e-3 at (1, 8192, 32, 128); BENCHMARKS.md) in 25% less
+# time. The CPU (interpret mode) has no tf32 and computes them exactly.
+FP32_INPUT_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+BF16_INPUT_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32
 
 
-def solve_precision(interpret: bool):
-    return EXACT if interpret else GPU_SOLVE_PRECISION
+def solve_precision(interpret: bool, dtype=jnp.float32):
+    """Precision of the fp32 dots of a kernel on inputs of `dtype`."""
+    if interpret:
+        return EXACT
+    return FP32_INPUT_PRECISION if dtype == jnp.float32 else BF16_INPUT_PRECISION
 
 
 def dot_settings(dtype, interpret: bool):
