@@ -219,6 +219,13 @@ def bench_shape(shape, args, index: int) -> dict:
         row["xla_ms"] = f"{time_jax(xla, q, k, v, g, beta):.3f}"
         log(f"{shape} {row}")
     if not args.no_bwd:
+        grads = jax.block_until_ready(ours_grad(q, k, v, g, beta, d_out))
+        log(f"{shape} ours backward compiled and ran")
+        if not args.no_check:
+            xla_grads = jax.block_until_ready(ours_runners("xla", scale)[1](q, k, v, g, beta, d_out))
+            errors = [rel(a.astype(jnp.float32), b.astype(jnp.float32)) for a, b in zip(grads, xla_grads)]
+            row["err_grads"] = "/".join(f"{e:.0e}" for e in errors)  # dq/dk/dv/dg/dbeta vs XLA chunked
+            del xla_grads
         row["pallas_fb_ms"] = f"{time_jax(ours_grad, q, k, v, g, beta, d_out):.3f}"
         row["pallas_fb_MB"] = f"{jax_memory_mb(ours_grad, q, k, v, g, beta, d_out):.0f}"
         if not args.no_xla:
@@ -258,7 +265,7 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "prepare_ms", "solve_k32w4_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
+               "prepare_ms", "solve_k32w4_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
                "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:

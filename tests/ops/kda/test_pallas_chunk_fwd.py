@@ -12,7 +12,7 @@ import pytest
 
 from hybrax.core import lookup
 from hybrax.ops.kda import api, reference
-from hybrax.ops.kda import pallas_chunk_fwd  # noqa: F401  (registers pallas:chunked)
+from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunked)
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 

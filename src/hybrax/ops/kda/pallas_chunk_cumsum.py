@@ -1,7 +1,8 @@
 """KDA chunked forward, stage 0 (Pallas, Triton lowering): the chunk-local cumulative log decay.
 
-G[t] = sum of g over the tokens of t's chunk up to and including t, in fp32. One program per
-(chunk, value head, batch); memory-bound (one read, one write). XLA's own cumsum on the GPU may
+G[t] = sum of g over the tokens of t's chunk up to and including t, in fp32 (with `reverse`: from t to
+the chunk's end, the backward's map from dG to dg). One program per (chunk, value head, batch);
+memory-bound (one read, one write). XLA's own cumsum on the GPU may
 lower to an O(C^2) reduce-window; this is one pass.
 """
 
@@ -16,19 +17,22 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
 
 
-def _cumsum_kernel(g_ref, out_ref):
-    out_ref[...] = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
+def _cumsum_kernel(g_ref, out_ref, *, reverse: bool):
+    g = g_ref[...].astype(jnp.float32)
+    prefix = jnp.cumsum(g, axis=0)
+    # The suffix sum as the total minus the prefix before t: one scan either way.
+    out_ref[...] = jnp.sum(g, axis=0, keepdims=True) - prefix + g if reverse else prefix
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "reverse", "num_warps", "interpret"))
 def chunk_local_cumsum(
-    g: Float[Array, "B T HV K"], *, chunk: int, num_warps: int = 4, interpret: bool = False
+    g: Float[Array, "B T HV K"], *, chunk: int, reverse: bool = False, num_warps: int = 4, interpret: bool = False
 ) -> Float[Array, "B T HV K"]:
     """G [B, T, HV, K] fp32; T a multiple of `chunk`, K a power of two."""
     batch, length, heads, dk = g.shape
     spec = pl.BlockSpec((None, chunk, None, dk), lambda t, h, b: (b, t, h, 0))
     return pl.pallas_call(
-        _cumsum_kernel,
+        functools.partial(_cumsum_kernel, reverse=reverse),
         grid=(length // chunk, heads, batch),
         in_specs=[spec],
         out_specs=spec,

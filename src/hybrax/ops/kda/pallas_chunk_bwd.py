@@ -1,0 +1,77 @@
+"""KDA chunked backward on the GPU with Pallas (Triton lowering): the stages end to end.
+
+    recompute  the forward's stages 0-2 (`pallas_chunk_fwd.forward_stages`): G, T, A_qk, w, kg, qg,
+               the chunk states h and v_new (nothing but the inputs is kept from the forward)
+    stage 2'   pallas_chunk_state_bwd   the state pass in reverse: dh per chunk, dv_new, d initial state
+    stage 1'   pallas_chunk_grad        the chunk-local gradients, dA_qk and dA_kk (per chunk)
+    stage 1a'  pallas_chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)
+    stage 0'   pallas_chunk_cumsum      dg from dG, a suffix sum within each chunk
+
+then (XLA) the sums over the value heads of a key head, the L2 norm's and the scale's backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
+from hybrax.ops.kda.pallas_chunk_fwd import pad_to, forward_stages, normalize_qk, pad_inputs, pad_to
+from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
+from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
+from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
+
+
+def _per_key_head(x: jax.Array, heads: int) -> jax.Array:
+    """[B, T, HV, K] per value head -> [B, T, H, K], summed over the value heads of each key head."""
+    batch, length, value_heads, dk = x.shape
+    return x.reshape(batch, length, heads, value_heads // heads, dk).sum(axis=3)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "interpret"))
+def kda_chunk_bwd(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    g: Float[Array, "B T HV K"],
+    beta: Float[Array, "B T HV"],
+    initial_state: Float[Array, "B HV K V"] | None,
+    d_out: Float[Array, "B T HV V"],
+    d_final: Float[Array, "B HV K V"],
+    *,
+    scale: float,
+    l2_normalize: bool = True,
+    chunk: int = 64,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:
+    """The cotangents (dq, dk, dv, dg, dbeta, d initial state) of `kda_chunk_fwd`'s (o, final state);
+    each in its input's dtype (d initial state None when the initial state is None)."""
+    length, heads, dk = q.shape[1], q.shape[2], q.shape[3]
+    dv = v.shape[3]
+    x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
+    normalized, normalize_vjp = jax.vjp(lambda q, k: normalize_qk(q, k, scale, l2_normalize), x.q, x.k)
+    qn, kn = (y.astype(x.q.dtype) for y in normalized)  # as the forward's kernels read them
+    s = forward_stages(x, qn, kn, chunk=chunk, interpret=interpret)
+    d_out = pad_to(d_out.astype(x.v.dtype), {1: x.v.shape[1], 3: x.v.shape[3]})
+    d_final = pad_to(d_final.astype(jnp.float32), {2: x.k.shape[3], 3: x.v.shape[3]})
+
+    dh, dv_new, d_initial = chunk_state_bwd(
+        s.qg, s.kg, s.w, s.aqk, d_out, s.decay, d_final, chunk=chunk, interpret=interpret
+    )
+    dq, dk_, dv_, dbeta, dg, daqk, dakk = chunk_grad(
+        qn, kn, x.v, s.g, x.beta, s.inverse, s.h, dh, s.v_new, dv_new, d_out, chunk=chunk, interpret=interpret
+    )
+    dq_intra, dk_intra, dg_intra, dbeta_intra = chunk_intra_bwd(
+        qn, kn, s.g, x.beta, daqk, dakk, chunk=chunk, interpret=interpret
+    )
+    dg = chunk_local_cumsum(dg + dg_intra, chunk=chunk, reverse=True, interpret=interpret)
+    dq, dk_ = normalize_vjp((_per_key_head(dq + dq_intra, heads), _per_key_head(dk_ + dk_intra, heads)))
+    crop = lambda x, width: x[:, :length, :, :width]  # noqa: E731
+    d_initial = None if initial_state is None else d_initial[:, :, :dk, :dv]
+    return (
+        crop(dq, dk).astype(q.dtype), crop(dk_, dk).astype(k.dtype), crop(dv_, dv).astype(v.dtype),
+        crop(dg, dk).astype(g.dtype), (dbeta + dbeta_intra)[:, :length].astype(beta.dtype), d_initial,
+    )

@@ -1,0 +1,106 @@
+"""KDA chunked backward, the state pass in reverse (Pallas, Triton lowering).
+
+The forward's chunk t, from the state h before it: v_new = u - w h, o = qg h + A_qk v_new,
+h' = decay * h + kg^T v_new. One program per (value block, value head, batch) keeps its [K, BV]
+slice of dh' (the cotangent of the state leaving chunk t, fp32) on chip and walks the chunks
+backwards:
+
+    dh_t     = dh'                                         stored: the chunk's dkg, d decay need it
+    dv_new   = A_qk^T dO + kg dh'                          stored
+    dh'      = decay * dh' + qg^T dO - w^T dv_new          the cotangent of h, i.e. of the previous h'
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from hybrax.ops.kda.pallas_tiles import dot_settings
+
+
+def _mm_tn(a: jax.Array, b: jax.Array, precision) -> jax.Array:
+    """a^T @ b (contracting the first axis of both), fp32 accumulation."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _state_bwd_kernel(
+    qg_ref, kg_ref, w_ref, aqk_ref, d_out_ref, decay_ref, d_final_ref, dh_ref, dv_new_ref, d_initial_ref,
+    *, chunk: int, precision,
+):
+    n_chunks = decay_ref.shape[0]
+    compute_dtype = w_ref.dtype
+
+    def step(i, d_state):
+        t = n_chunks - 1 - i
+        rows = pl.ds(t * chunk, chunk)
+        dh_ref[t, :, :] = d_state.astype(dh_ref.dtype)
+        d_out = d_out_ref[rows, :]
+        dv_new = _mm_tn(aqk_ref[rows, :], d_out, precision) + jnp.dot(
+            kg_ref[rows, :], d_state.astype(compute_dtype), precision=precision, preferred_element_type=jnp.float32
+        )
+        dv_new = dv_new.astype(compute_dtype)
+        dv_new_ref[rows, :] = dv_new
+        return (
+            decay_ref[t, :][:, None] * d_state
+            + _mm_tn(qg_ref[rows, :], d_out, precision)
+            - _mm_tn(w_ref[rows, :], dv_new, precision)
+        )
+
+    if d_final_ref is None:
+        d_state = jnp.zeros(d_initial_ref.shape, jnp.float32)
+    else:
+        d_state = d_final_ref[...].astype(jnp.float32)
+    d_initial_ref[...] = lax.fori_loop(0, n_chunks, step, d_state)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
+def chunk_state_bwd(
+    qg: jax.Array, kg: jax.Array, w: jax.Array, aqk: jax.Array, d_out: jax.Array, decay: jax.Array,
+    d_final: jax.Array | None, *, chunk: int = 64, block_v: int = 32, num_warps: int = 4, num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qg, kg, w [B, T, HV, K]; A_qk [B, T, HV, chunk]; dO [B, T, HV, V] (all one dtype); decay
+    [B, NT, HV, K] fp32; d_final [B, HV, K, V] or None.
+
+    Returns dh [B, NT, HV, K, V] (the cotangent of the state leaving each chunk, input dtype),
+    dv_new [B, T, HV, V] (input dtype) and d_initial [B, HV, K, V] fp32.
+    """
+    batch, length, heads, dk = w.shape
+    dv = d_out.shape[3]
+    n_chunks = length // chunk
+    block_v = min(block_v, dv)
+    _, precision = dot_settings(w.dtype, interpret)
+
+    # Whole-sequence blocks: the program walks the chunks itself.
+    def rows_spec(width):
+        return pl.BlockSpec((None, length, None, width), lambda j, h, b: (b, 0, h, 0))
+
+    values_spec = pl.BlockSpec((None, length, None, block_v), lambda j, h, b: (b, 0, h, j))
+    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda j, h, b: (b, h, 0, j))
+    return pl.pallas_call(
+        functools.partial(_state_bwd_kernel, chunk=chunk, precision=precision),
+        grid=(dv // block_v, heads, batch),
+        in_specs=[
+            rows_spec(dk), rows_spec(dk), rows_spec(dk), rows_spec(chunk), values_spec,
+            pl.BlockSpec((None, n_chunks, None, dk), lambda j, h, b: (b, 0, h, 0)),
+            None if d_final is None else state_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, n_chunks, None, dk, block_v), lambda j, h, b: (b, 0, h, 0, j)),
+            values_spec,
+            state_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), w.dtype),
+            jax.ShapeDtypeStruct(d_out.shape, w.dtype),
+            jax.ShapeDtypeStruct((batch, heads, dk, dv), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kda_chunk_state_bwd",
+    )(qg, kg, w, aqk, d_out, decay, d_final)
