@@ -1,0 +1,93 @@
+"""The Pallas chunked KDA backward (interpret mode on the CPU) against autodiff through the XLA scan.
+
+`kda_chunk`'s VJP (the backward kernels behind `platform="pallas"`) against jax.vjp of the token-by-
+token fp32 scan, for the cotangents of both outputs (o and the final state); `test_lowers_to_triton`
+lowers the backward to Triton IR for an H200, so an unsupported primitive fails in CI too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hybrax.ops.kda.api import KernelDeltaAttentionConfig, kernel_delta_attention
+from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
+from hybrax.ops.kda.pallas_chunked import kda_chunk
+from tests.helpers import TOLERANCE, assert_close, normal
+from tests.ops.kda.test_pallas_chunk_fwd import inputs
+
+SCAN = KernelDeltaAttentionConfig("xla", "scan")
+
+
+def check(seed, batch, length, heads, value_heads, dk, dv, dtype=jnp.float32, *, with_state=True,
+          l2_normalize=True, hard_gates=False, chunk=64, tol=None):
+    q, k, v, g, beta = inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates)
+    h0 = normal(seed + 6, (batch, value_heads, dk, dv), scale=0.5) if with_state else None
+    d_out = normal(seed + 7, v.shape, dtype)
+    d_final = normal(seed + 8, (batch, value_heads, dk, dv))
+    scale = dk**-0.5
+
+    def ours(q, k, v, g, beta, h0):
+        return kda_chunk(q, k, v, g, beta, h0, scale, l2_normalize, chunk, True)
+
+    def scan(q, k, v, g, beta, h0):
+        return kernel_delta_attention(
+            q, k, v, beta, g, h0, softmax_scale=scale, use_qk_l2norm=l2_normalize, return_state=True, cfg=SCAN
+        )
+
+    got = jax.vjp(ours, q, k, v, g, beta, h0)[1]((d_out, d_final))
+    # The oracle in fp32 on the same (possibly bf16-rounded) inputs.
+    up = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
+    want = jax.vjp(scan, *(up(x) for x in (q, k, v, g, beta, h0)))[1]((up(d_out), d_final))
+    assert all(a is None or a.dtype == x.dtype for a, x in zip(got, (q, k, v, g, beta, h0)))
+    tol = TOLERANCE[dtype] if tol is None else tol
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "d_initial"), got, want):
+        if b is not None:
+            assert_close(a, b, tol, name)
+
+
+def test_two_chunks_with_initial_state():
+    check(0, 2, 128, 2, 2, 32, 32)
+
+
+@pytest.mark.parametrize("length", [1, 70])
+def test_lengths_off_the_chunk(length):
+    check(10, 1, length, 1, 1, 16, 16)
+
+
+def test_grouped_value_heads_and_odd_head_dims():
+    # HV = 2 H: dq and dk sum over the value heads of a key head; K, V padded to 32, 64 inside.
+    check(20, 1, 80, 1, 2, 24, 40)
+
+
+def test_gates_of_minus_1000():
+    # Steep sub-chunks take the exact diagonal blocks; the fp32 cumulative gate's rounding near -1000
+    # (6e-5 absolute) bounds the agreement, as in the forward.
+    check(30, 1, 128, 2, 2, 16, 32, hard_gates=True, tol=5e-4)
+
+
+def test_without_l2_norm():
+    # Raw keys make A_kk and T far from the identity: both fp32 paths lose more digits.
+    check(40, 1, 64, 1, 1, 16, 16, l2_normalize=False, with_state=False, tol=5e-5)
+
+
+def test_chunk_32():
+    check(50, 1, 96, 1, 1, 32, 16, chunk=32)
+
+
+def test_bf16():
+    check(60, 1, 128, 2, 2, 64, 64, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_to_triton(dtype):
+    token = (1, 128, 2, 128)
+    shapes = [token, token, token, token, (1, 128, 2), (1, 2, 128, 128), token, (1, 2, 128, 128)]
+    dtypes = [dtype, dtype, dtype, jnp.float32, jnp.float32, jnp.float32, dtype, jnp.float32]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        lowered = jax.jit(lambda *a: kda_chunk_bwd(*a, scale=0.1)).trace(*args).lower(lowering_platforms=("cuda",))
+    # Recomputed forward (cumsum, solve, wy, state) and the backward (state, grad, intra, cumsum).
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 8
