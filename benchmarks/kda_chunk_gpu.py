@@ -35,7 +35,10 @@ from timing import print_table  # noqa: E402
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_grad import chunk_grad  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_output import chunk_output  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_solve import chunk_solve  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state import chunk_state  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy  # noqa: E402
@@ -157,10 +160,12 @@ def staged(row: dict, name: str, fn, *args):
 
 
 # Launch settings tried per kernel with --sweep (the first of each is the pipeline's default).
-SOLVE_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k32w2": dict(block_k=32, num_warps=2),
-                  "k64w4": dict(block_k=64, num_warps=4), "k16w2": dict(block_k=16, num_warps=2),
-                  "k32w8": dict(block_k=32, num_warps=8)}
+SOLVE_VARIANTS = {"k16w2": dict(block_k=16, num_warps=2), "k16w1": dict(block_k=16, num_warps=1),
+                  "k32w2": dict(block_k=32, num_warps=2), "k16w4": dict(block_k=16, num_warps=4)}
+INTRA_BWD_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k16w2": dict(block_k=16, num_warps=2),
+                      "k16w4": dict(block_k=16, num_warps=4), "k32w2": dict(block_k=32, num_warps=2)}
 WY_VARIANTS = {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8)}
+GRAD_VARIANTS = {"w8": dict(num_warps=8), "w4": dict(num_warps=4)}
 STATE_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4), "v16w2": dict(block_v=16, num_warps=2),
                   "v64w4": dict(block_v=64, num_warps=4), "v32w2": dict(block_v=32, num_warps=2)}
 
@@ -181,6 +186,16 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: bool) -> None:
         state = jax.jit(lambda w, u, kg, decay, settings=settings: chunk_state(w, u, kg, decay, None, **settings))
         h, v_new, _ = staged(row, f"state_{name}", state, w, u, kg, decay)
     staged(row, "output", jax.jit(chunk_output), qg, h, aqk, v_new)
+    # The backward's kernels, on a random output cotangent.
+    d_out = jax.random.normal(jax.random.key(2), v.shape, v.dtype)
+    state_bwd = jax.jit(lambda *a: chunk_state_bwd(*a, None))
+    dh, dv_new, _ = staged(row, "state_bwd", state_bwd, qg, kg, w, aqk, d_out, decay)
+    for name, settings in pick(GRAD_VARIANTS).items():
+        grad = jax.jit(functools.partial(chunk_grad, chunk=chunk, **settings))
+        *_, daqk, dakk = staged(row, f"grad_{name}", grad, qn, kn, v, gates, beta, inverse, h, dh, v_new, dv_new, d_out)
+    for name, settings in pick(INTRA_BWD_VARIANTS).items():
+        intra = jax.jit(functools.partial(chunk_intra_bwd, chunk=chunk, **settings))
+        staged(row, f"intra_bwd_{name}", intra, qn, kn, gates, beta, daqk, dakk)
     log(f"{row}")
 
 
@@ -248,13 +263,14 @@ def main() -> None:
     parser.add_argument("--no-bwd", action="store_true", help="forward only")
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
     parser.add_argument("--sweep", action="store_true", help="time each kernel's launch variants")
+    parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
     import torch
 
     print(f"GPU: {torch.cuda.get_device_name()}  jax {jax.__version__}  torch {torch.__version__}", flush=True)
     rows = []
-    for shape in SHAPES[: args.shapes]:
+    for shape in SHAPES[args.first : args.shapes]:
         try:
             rows.append(bench_shape(shape, args, len(rows)))
         except Exception as exc:  # keep the other shapes' numbers
@@ -265,11 +281,11 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "prepare_ms", "solve_k32w4_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
+               "prepare_ms", "solve_k16w2_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "state_bwd_ms", "grad_w8_ms", "intra_bwd_k32w4_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
                "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:
-        variants = [name for name in row if name.startswith(("solve_", "wy_", "state_"))]
+        variants = [name for name in row if name.startswith(("solve_", "wy_", "state", "grad_", "intra_bwd_"))]
         if len(variants) > 3:
             print(row["shape"], "  ".join(f"{name[:-3]} {row[name]}" for name in variants))
 

@@ -130,8 +130,8 @@ def _solve_kernel(q_ref, k_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *, block_
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "precision", "interpret"))
 def chunk_solve(
-    q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, *, chunk: int = 64, block_k: int = 32,
-    num_warps: int = 4, precision=None, interpret: bool = False,
+    q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, *, chunk: int = 64, block_k: int = 16,
+    num_warps: int = 2, precision=None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q, k [B, T, H, K] (normalized; q scaled); g [B, T, HV, K] chunk-local cumulative log decay (fp32);
     beta [B, T, HV]. T a multiple of the chunk, K a power of two >= 16, HV a multiple of H.
