@@ -13,9 +13,11 @@ import pytest
 
 from hybrax.ops.kda.api import KernelDeltaAttentionConfig, kernel_delta_attention
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
+from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
+from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_chunked import kda_chunk
 from tests.helpers import TOLERANCE, assert_close, normal
-from tests.ops.kda.test_pallas_chunk_fwd import inputs
+from tests.ops.kda.test_pallas_chunk_fwd import abstract_inputs, inputs, lower_for_h200
 
 SCAN = KernelDeltaAttentionConfig("xla", "scan")
 
@@ -29,7 +31,7 @@ def check(seed, batch, length, heads, value_heads, dk, dv, dtype=jnp.float32, *,
     scale = dk**-0.5
 
     def ours(q, k, v, g, beta, h0):
-        return kda_chunk(q, k, v, g, beta, h0, scale, l2_normalize, chunk, True)
+        return kda_chunk(q, k, v, g, beta, h0, None, scale, l2_normalize, chunk, True)
 
     def scan(q, k, v, g, beta, h0):
         return kernel_delta_attention(
@@ -80,14 +82,51 @@ def test_bf16():
     check(60, 1, 128, 2, 2, 64, 64, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_to_triton(dtype):
-    token = (1, 128, 2, 128)
-    shapes = [token, token, token, token, (1, 128, 2), (1, 2, 128, 128), token, (1, 2, 128, 128)]
-    dtypes = [dtype, dtype, dtype, jnp.float32, jnp.float32, jnp.float32, dtype, jnp.float32]
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        lowered = jax.jit(lambda *a: kda_chunk_bwd(*a, scale=0.1)).trace(*args).lower(lowering_platforms=("cuda",))
+def test_lowers_to_triton(dtype, packed):
+    args, segments = abstract_inputs(dtype, packed)
+    cotangents = [jax.ShapeDtypeStruct(args[2].shape, dtype), jax.ShapeDtypeStruct(args[5].shape, jnp.float32)]
+    text = lower_for_h200(
+        lambda *a: kda_chunk_bwd(*a[:8], Segments(*a[8:]) if packed else None, scale=0.1), *args, *cotangents, *segments
+    )
     # Recomputed forward (cumsum, solve, wy, state) and the backward (state, grad, intra, cumsum).
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 8
+    assert text.count("__gpu$xla.gpu.triton") == 8
+
+
+def test_packed_sequences():
+    # Sequences of 0 (empty), 70, 5, 0 and 40 tokens, then 13 tokens of no sequence; an empty
+    # sequence's initial-state gradient is its final state's cotangent.
+    cu_seqlens = jnp.array([0, 0, 70, 75, 75, 115], jnp.int32)
+    q, k, v, g, beta = inputs(110, 1, 128, 1, 2, 16, 32, jnp.float32)
+    h0 = normal(116, (5, 2, 16, 32), scale=0.5)
+    d_out, d_final = normal(117, v.shape), normal(118, h0.shape)
+
+    def run(platform, cfg=None):
+        def f(q, k, v, g, beta, h0):
+            return kernel_delta_attention(
+                q, k, v, beta, g, h0, return_state=True, cu_seqlens=cu_seqlens, platform=platform, cfg=cfg
+            )
+
+        return jax.vjp(f, q, k, v, g, beta, h0)[1]((d_out, d_final))
+
+    got, want = run("pallas"), run(None, SCAN)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "d_initial"), got, want):
+        assert_close(a, b, TOLERANCE[jnp.float32], name)
+
+
+def test_grad_kernel_slices_agree():
+    # chunk_grad walks K and V in slices: several slices must sum to what one whole-width slice gives.
+    batch, length, heads, dk, dv, chunk = 1, 64, 1, 64, 64, 32
+    q, k = normal(120, (batch, length, heads, dk)), normal(121, (batch, length, heads, dk))
+    v, v_new, dv_new, d_out = (normal(122 + i, (batch, length, heads, dv)) for i in range(4))
+    # G chunk-local and mild, so that exp(G_last) keeps the last rows' terms visible.
+    gates = -0.1 * jax.nn.softplus(normal(126, (batch, length // chunk, chunk, heads, dk)))
+    g = jnp.cumsum(gates, axis=2).reshape(batch, length, heads, dk)
+    beta = jax.nn.sigmoid(normal(127, (batch, length, heads)))
+    inverse = jnp.tril(normal(128, (batch, length, heads, chunk)))
+    h, dh = (normal(129 + i, (batch, length // chunk, heads, dk, dv)) for i in range(2))
+    args = (q, k, v, g, beta, inverse, h, dh, v_new, dv_new, d_out)
+    whole = chunk_grad(*args, chunk=chunk, block_k=dk, block_v=dv, interpret=True)
+    sliced = chunk_grad(*args, chunk=chunk, block_k=16, block_v=32, interpret=True)
+    assert_close(sliced, whole, 1e-6, "sliced")

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from hybrax.core import lookup
 from hybrax.ops.kda import api, reference
 from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunked)
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd
+from hybrax.ops.kda.pallas_chunk_state import Segments
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 
 
@@ -144,23 +146,55 @@ def test_vmap_and_checkpoint_match_xla():
     assert_close(checkpointed_grad("pallas"), to64(checkpointed_grad("xla")), 1e-5, "checkpointed gradient")
 
 
-def test_supports_falls_back_on_cu_seqlens():
+@pytest.mark.parametrize("with_state", [False, True])
+def test_packed_sequences(with_state):
+    # Sequences of 0 (empty), 70 (over a chunk), 5, 0 and 40 tokens, then 13 tokens of no sequence.
+    cu_seqlens = jnp.array([0, 0, 70, 75, 75, 115], jnp.int32)
+    q, k, v, g, beta = inputs(100, 1, 128, 1, 2, 16, 32, jnp.float32)
+    h0 = normal(106, (5, 2, 16, 32), scale=0.5) if with_state else None
+    out, final = api.kernel_delta_attention(
+        q, k, v, beta, g, h0, platform="pallas", return_state=True, cu_seqlens=cu_seqlens
+    )
+    ref_out, ref_final = reference.kda_reference(
+        *(to64(x) for x in (q, k, v, beta, g, h0)), cu_seqlens=np.asarray(cu_seqlens)
+    )
+    assert_close(out, ref_out, TOLERANCE[jnp.float32], "output")
+    assert_close(final, ref_final, TOLERANCE[jnp.float32], "final states")
+
+
+def test_supports_every_layout_up_to_head_dim_256():
     q, k, v, g, beta = inputs(100, 1, 32, 1, 1, 16, 16, jnp.float32)
     kernel = api.KernelDeltaAttention()
-    problem = kernel.prepare(q, k, v, beta, g, cu_seqlens=jnp.array([0, 10, 32], jnp.int32))
-    reason = lookup(api.OP_ID, "pallas", "chunked").supports(kernel.invocation(problem, "pallas"))
-    assert reason is not None and "cu_seqlens" in reason
-    plain = kernel.prepare(q, k, v, beta, g)
-    assert lookup(api.OP_ID, "pallas", "chunked").supports(kernel.invocation(plain, "pallas")) is None
+    pallas = lookup(api.OP_ID, "pallas", "chunked")
+    packed = kernel.prepare(q, k, v, beta, g, cu_seqlens=jnp.array([0, 10, 32], jnp.int32))
+    assert pallas.supports(kernel.invocation(packed, "pallas")) is None
+    wide = kernel.prepare(*(jnp.zeros((1, 4, 1, 512)) for _ in range(3)), beta[:, :4], g[:, :4, :, 0])
+    reason = pallas.supports(kernel.invocation(wide, "pallas"))
+    assert reason is not None and "256" in reason
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_to_triton(dtype):
-    shapes = [(1, 128, 2, 128), (1, 128, 2, 128), (1, 128, 2, 128), (1, 128, 2, 128), (1, 128, 2)]
-    dtypes = [dtype, dtype, dtype, jnp.float32, jnp.float32]
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+def lower_for_h200(fn, *args) -> str:
+    """The StableHLO text of fn(*args) (ShapeDtypeStructs) lowered for an H200, without one."""
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        lowered = jax.jit(lambda *a: kda_chunk_fwd(*a, scale=0.1)).trace(*args).lower(lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 5  # the five kernels
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
+
+def abstract_inputs(dtype, packed: bool) -> list:
+    """[q, k, v, g, beta, initial state], [the 3 arrays of Segments when packed (3 sequences in 2 chunks)]."""
+    token, state = (1, 128, 2, 128), (3 if packed else 1, 2, 128, 128)
+    shapes = [token, token, token, token, (1, 128, 2), state]
+    dtypes = [dtype, dtype, dtype, jnp.float32, jnp.float32, jnp.float32]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    segments = [jax.ShapeDtypeStruct((2,), jnp.int32) for _ in range(3)] if packed else []
+    return args, segments
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_to_triton(dtype, packed):
+    args, segments = abstract_inputs(dtype, packed)
+    text = lower_for_h200(
+        lambda *a: kda_chunk_fwd(*a[:6], Segments(*a[6:]) if packed else None, scale=0.1), *args, *segments
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 5  # the five kernels

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_fwd import pad_to, forward_stages, normalize_qk, pad_inputs, pad_to
+from hybrax.ops.kda.pallas_chunk_fwd import pad_to, forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
+from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
 
 
@@ -41,6 +42,7 @@ def kda_chunk_bwd(
     initial_state: Float[Array, "B HV K V"] | None,
     d_out: Float[Array, "B T HV V"],
     d_final: Float[Array, "B HV K V"],
+    segments: Segments | None = None,
     *,
     scale: float,
     l2_normalize: bool = True,
@@ -48,19 +50,22 @@ def kda_chunk_bwd(
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """The cotangents (dq, dk, dv, dg, dbeta, d initial state) of `kda_chunk_fwd`'s (o, final state);
-    each in its input's dtype (d initial state None when the initial state is None)."""
+    each in its input's dtype (d initial state None when the initial state is None). `segments` as
+    in `kda_chunk_fwd`."""
     length, heads, dk = q.shape[1], q.shape[2], q.shape[3]
     dv = v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
     normalized, normalize_vjp = jax.vjp(lambda q, k: normalize_qk(q, k, scale, l2_normalize), x.q, x.k)
     qn, kn = (y.astype(x.q.dtype) for y in normalized)  # as the forward's kernels read them
-    s = forward_stages(x, qn, kn, chunk=chunk, interpret=interpret)
+    s = forward_stages(x, qn, kn, segments, chunk=chunk, interpret=interpret)
     d_out = pad_to(d_out.astype(x.v.dtype), {1: x.v.shape[1], 3: x.v.shape[3]})
     d_final = pad_to(d_final.astype(jnp.float32), {2: x.k.shape[3], 3: x.v.shape[3]})
 
     dh, dv_new, d_initial = chunk_state_bwd(
-        s.qg, s.kg, s.w, s.aqk, d_out, s.decay, d_final, chunk=chunk, interpret=interpret
+        s.qg, s.kg, s.w, s.aqk, d_out, s.decay, d_final, segments, chunk=chunk, interpret=interpret
     )
+    if segments is not None:  # an empty sequence's final state is its initial state
+        d_initial = jnp.where(has_chunks(segments, d_final.shape[0]), d_initial, d_final)
     dq, dk_, dv_, dbeta, dg, daqk, dakk = chunk_grad(
         qn, kn, x.v, s.g, x.beta, s.inverse, s.h, dh, s.v_new, dv_new, d_out, chunk=chunk, interpret=interpret
     )

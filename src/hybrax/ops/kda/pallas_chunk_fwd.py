@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_solve import chunk_solve
-from hybrax.ops.kda.pallas_chunk_state import chunk_state
+from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.xla_scan import l2_normalize
 
@@ -100,15 +100,16 @@ class Stages(NamedTuple):
 
 
 def forward_stages(
-    x: Padded, q: jax.Array, k: jax.Array, *, chunk: int, block_v: int = 32, state_warps: int = 4,
-    interpret: bool = False,
+    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, *, chunk: int, block_v: int = 32,
+    state_warps: int = 4, interpret: bool = False,
 ) -> Stages:
     """The stages on padded inputs, with q and k already through `prepare_qk`."""
     g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
     inverse, aqk = chunk_solve(q, k, g, x.beta, chunk=chunk, interpret=interpret)
     w, u, kg, qg, decay = chunk_wy(q, k, x.v, g, x.beta, inverse, chunk=chunk, interpret=interpret)
     h, v_new, final_state = chunk_state(
-        w, u, kg, decay, x.initial_state, chunk=chunk, block_v=block_v, num_warps=state_warps, interpret=interpret
+        w, u, kg, decay, x.initial_state, segments, chunk=chunk, block_v=block_v, num_warps=state_warps,
+        interpret=interpret,
     )
     return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new, final_state)
 
@@ -124,6 +125,7 @@ def kda_chunk_fwd(
     g: Float[Array, "B T HV K"],
     beta: Float[Array, "B T HV"],
     initial_state: Float[Array, "B HV K V"] | None = None,
+    segments: Segments | None = None,
     *,
     scale: float,
     l2_normalize: bool = True,
@@ -135,13 +137,24 @@ def kda_chunk_fwd(
     """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32).
 
     g is the per-channel log decay (<= 0), beta the update strength (already through its
-    sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H.
+    sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the
+    batch of one holds packed sequences, each from a chunk boundary (`xla_chunked.packed_layout`), and
+    initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V].
     """
     length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
     s = forward_stages(
-        x, *prepare_qk(x.q, x.k, scale, l2_normalize), chunk=chunk, block_v=block_v, state_warps=state_warps,
-        interpret=interpret,
+        x, *prepare_qk(x.q, x.k, scale, l2_normalize), segments, chunk=chunk, block_v=block_v,
+        state_warps=state_warps, interpret=interpret,
     )
     o = chunk_output(s.qg, s.h, s.aqk, s.v_new, chunk=chunk, interpret=interpret)
-    return o[:, :length, :, :dv], s.final_state[:, :, :dk, :dv]
+    final_state = s.final_state
+    if segments is not None:  # a sequence without tokens ends where it began
+        final_state = jnp.where(has_chunks(segments, final_state.shape[0]), final_state, x.initial_state)
+    return o[:, :length, :, :dv], final_state[:, :, :dk, :dv]
+
+
+def has_chunks(segments: Segments, sequences: int) -> jax.Array:
+    """[N, 1, 1, 1] bool: whether sequence n owns a chunk (empty sequences own none)."""
+    owned = jnp.zeros(sequences, bool).at[segments.sequence].max(segments.first != 0)
+    return owned[:, None, None, None]

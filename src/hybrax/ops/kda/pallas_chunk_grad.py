@@ -1,6 +1,7 @@
 """KDA chunked backward, the chunk-local gradients (Pallas, Triton lowering).
 
-One program per (chunk, value head, batch), whole-chunk tiles. The forward's chunk, from the state
+One program per (chunk, value head, batch); V and K are taken in slices (`block_v`, `block_k`) so
+that the [K, V] state and its cotangent never sit in registers whole. The forward's chunk, from the state
 h before it (X_k = beta k exp(G), X_v = beta v, T = (I + A_kk)^-1):
 
     qg = q exp(G),  kg = k exp(G_last - G),  decay = exp(G_last),  w = T X_k,  u = T X_v
@@ -39,48 +40,88 @@ def mm_tn(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
 
 def _grad_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, h_ref, dh_ref, v_new_ref, dv_new_ref, d_out_ref,
-    dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, daqk_ref, dakk_ref, *, compute_dtype, precision, fp32_precision,
+    dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, daqk_ref, dakk_ref,
+    *, block_k: int, block_v: int, compute_dtype, precision, fp32_precision,
 ):
-    chunk = q_ref.shape[0]
-    gates = g_ref[...]
-    last = g_ref[chunk - 1, :]
-    growth = jnp.exp(gates)
-    to_end = jnp.exp(last[None, :] - gates)
+    chunk, dk = q_ref.shape
+    dv = v_ref.shape[1]
     betas = beta_ref[...].astype(jnp.float32)[:, None]
-    queries, keys, values = (ref[...].astype(jnp.float32) for ref in (q_ref, k_ref, v_ref))
-    x_k, x_v = keys * betas * growth, values * betas
-    h, dh = h_ref[...], dh_ref[...]
-    d_out, v_new, dv_new = d_out_ref[...], v_new_ref[...], dv_new_ref[...]
     inverse = inverse_ref[...].astype(jnp.float32)
-
-    dqg = mm_t(d_out, h, compute_dtype, precision)
-    dkg = mm_t(v_new, dh, compute_dtype, precision)
-    dw = -mm_t(dv_new, h, compute_dtype, precision)
     rows, cols = index_grid(chunk)
-    daqk_ref[...] = jnp.where(rows >= cols, mm_t(d_out, v_new, compute_dtype, precision), 0.0)
-    d_inverse = mm_t(dw, x_k, jnp.float32, fp32_precision) + mm_t(dv_new, x_v, compute_dtype, precision)
+    value_slice = lambda j: pl.ds(pl.multiple_of(j * block_v, block_v), block_v)  # noqa: E731
+    key_slice = lambda i: pl.ds(pl.multiple_of(i * block_k, block_k), block_k)  # noqa: E731
+
+    def value_pass(j, sums):
+        """dA_qk, the u-half of dT, dv and beta's value term, from one slice of V."""
+        daqk, d_inverse, dbeta = sums
+        slice_v = value_slice(j)
+        d_out, v_new, dv_new = (ref[:, slice_v] for ref in (d_out_ref, v_new_ref, dv_new_ref))
+        values = v_ref[:, slice_v].astype(jnp.float32)
+        dx_v = mm_tn(inverse, dv_new, compute_dtype, precision)
+        dv_ref[:, slice_v] = (dx_v * betas).astype(dv_ref.dtype)
+        return (
+            daqk + mm_t(d_out, v_new, compute_dtype, precision),
+            d_inverse + mm_t(dv_new, values * betas, compute_dtype, precision),
+            dbeta + jnp.sum(dx_v * values, axis=1),
+        )
+
+    def key_pass(i, sums):
+        """dqg, dkg, dw over all of V for one slice of K, then that slice's dq, dk, dG."""
+        d_inverse, dbeta = sums
+        slice_k = key_slice(i)
+
+        def state_pass(j, partial):
+            dqg, dkg, dw, d_decay = partial
+            slice_v = value_slice(j)
+            h, dh = h_ref[slice_k, slice_v], dh_ref[slice_k, slice_v]
+            return (
+                dqg + mm_t(d_out_ref[:, slice_v], h, compute_dtype, precision),
+                dkg + mm_t(v_new_ref[:, slice_v], dh, compute_dtype, precision),
+                dw - mm_t(dv_new_ref[:, slice_v], h, compute_dtype, precision),
+                d_decay + jnp.sum(dh.astype(jnp.float32) * h.astype(jnp.float32), axis=1),
+            )
+
+        zeros = jnp.zeros((chunk, block_k), jnp.float32)
+        dqg, dkg, dw, d_decay = lax.fori_loop(
+            0, dv // block_v, state_pass, (zeros, zeros, zeros, jnp.zeros((block_k,), jnp.float32))
+        )
+        gates = g_ref[:, slice_k]
+        last = g_ref[chunk - 1, slice_k]
+        growth, to_end = jnp.exp(gates), jnp.exp(last[None, :] - gates)
+        keys = k_ref[:, slice_k].astype(jnp.float32)
+        x_k = keys * betas * growth
+        dx_k = mm_tn(inverse, dw, jnp.float32, fp32_precision)
+        dq_ref[:, slice_k] = dqg * growth
+        dk_ref[:, slice_k] = dkg * to_end + dx_k * betas * growth
+        kg_term = dkg * keys * to_end
+        from_last = jnp.sum(kg_term, axis=0) + d_decay * jnp.exp(last)
+        last_row = lax.broadcasted_iota(jnp.int32, gates.shape, 0) == chunk - 1
+        queries = q_ref[:, slice_k].astype(jnp.float32)
+        dg_ref[:, slice_k] = (
+            dqg * queries * growth - kg_term + dx_k * x_k + jnp.where(last_row, from_last[None, :], 0.0)
+        )
+        return (
+            d_inverse + mm_t(dw, x_k, jnp.float32, fp32_precision),
+            dbeta + jnp.sum(dx_k * keys * growth, axis=1),
+        )
+
+    square = jnp.zeros((chunk, chunk), jnp.float32)
+    daqk, d_inverse, dbeta = lax.fori_loop(
+        0, dv // block_v, value_pass, (square, square, jnp.zeros((chunk,), jnp.float32))
+    )
+    daqk_ref[...] = jnp.where(rows >= cols, daqk, 0.0)
+    d_inverse, dbeta = lax.fori_loop(0, dk // block_k, key_pass, (d_inverse, dbeta))
     d_inverse = jnp.where(rows >= cols, d_inverse, 0.0)
-    dx_k = mm_tn(inverse, dw, jnp.float32, fp32_precision)
-    dx_v = mm_tn(inverse, dv_new, compute_dtype, precision)
     dakk = -mm_tn(inverse, mm_t(d_inverse, inverse, jnp.float32, fp32_precision), jnp.float32, fp32_precision)
     dakk_ref[...] = jnp.where(rows > cols, dakk, 0.0)
-
-    dq_ref[...] = dqg * growth
-    dk_ref[...] = dkg * to_end + dx_k * betas * growth
-    dv_ref[...] = (dx_v * betas).astype(dv_ref.dtype)
-    dbeta_ref[...] = jnp.sum(dx_k * keys * growth, axis=1) + jnp.sum(dx_v * values, axis=1)
-    kg_term = dkg * keys * to_end
-    d_decay = jnp.sum(dh.astype(jnp.float32) * h.astype(jnp.float32), axis=1) * jnp.exp(last)
-    from_last = jnp.sum(kg_term, axis=0) + d_decay
-    last_row = lax.broadcasted_iota(jnp.int32, gates.shape, 0) == chunk - 1
-    dg_ref[...] = dqg * queries * growth - kg_term + dx_k * x_k + jnp.where(last_row, from_last[None, :], 0.0)
+    dbeta_ref[...] = dbeta
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "interpret"))
 def chunk_grad(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, h: jax.Array,
-    dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, *, chunk: int = 64, num_warps: int = 8,
-    interpret: bool = False,
+    dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, *, chunk: int = 64,
+    block_k: int = 64, block_v: int = 64, num_warps: int = 8, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """q, k [B, T, H, K] (prepared); v, v_new, dv_new, dO [B, T, HV, V]; g [B, T, HV, K] (G, fp32);
     beta [B, T, HV]; T [B, T, HV, chunk]; h, dh [B, NT, HV, K, V].
@@ -101,7 +142,8 @@ def chunk_grad(
     token_shape = (batch, length, value_heads)
     f32 = jnp.float32
     kernel = functools.partial(
-        _grad_kernel, compute_dtype=compute_dtype, precision=precision,
+        _grad_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv), compute_dtype=compute_dtype,
+        precision=precision,
         fp32_precision=solve_precision(interpret, q.dtype),
     )
     return pl.pallas_call(

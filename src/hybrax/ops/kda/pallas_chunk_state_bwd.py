@@ -8,6 +8,9 @@ backwards:
     dh_t     = dh'                                         stored: the chunk's dkg, d decay need it
     dv_new   = A_qk^T dO + kg dh'                          stored
     dh'      = decay * dh' + qg^T dO - w^T dv_new          the cotangent of h, i.e. of the previous h'
+
+Packed sequences (`segments`): dh' restarts from its sequence's final-state cotangent at the
+sequence's last chunk, and is the sequence's initial-state cotangent after its first.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from hybrax.ops.kda.pallas_chunk_state import Segments, initial_tile, segment_specs, state_block_spec
 from hybrax.ops.kda.pallas_tiles import dot_settings
 
 
@@ -29,14 +33,19 @@ def _mm_tn(a: jax.Array, b: jax.Array, precision) -> jax.Array:
 
 
 def _state_bwd_kernel(
-    qg_ref, kg_ref, w_ref, aqk_ref, d_out_ref, decay_ref, d_final_ref, dh_ref, dv_new_ref, d_initial_ref,
-    *, chunk: int, precision,
+    qg_ref, kg_ref, w_ref, aqk_ref, d_out_ref, decay_ref, d_final_ref, sequence_ref, first_ref, last_ref,
+    dh_ref, dv_new_ref, d_initial_ref, *, chunk: int, precision,
 ):
     n_chunks = decay_ref.shape[0]
     compute_dtype = w_ref.dtype
+    packed = sequence_ref is not None
+    tile_shape = d_initial_ref.shape[1:] if packed else d_initial_ref.shape
 
     def step(i, d_state):
         t = n_chunks - 1 - i
+        if packed:
+            sequence = sequence_ref[t]
+            d_state = jnp.where(last_ref[t] != 0, initial_tile(d_final_ref, sequence, tile_shape), d_state)
         rows = pl.ds(t * chunk, chunk)
         dh_ref[t, :, :] = d_state.astype(dh_ref.dtype)
         d_out = d_out_ref[rows, :]
@@ -45,30 +54,37 @@ def _state_bwd_kernel(
         )
         dv_new = dv_new.astype(compute_dtype)
         dv_new_ref[rows, :] = dv_new
-        return (
+        d_state = (
             decay_ref[t, :][:, None] * d_state
             + _mm_tn(qg_ref[rows, :], d_out, precision)
             - _mm_tn(w_ref[rows, :], dv_new, precision)
         )
+        if packed:
 
-    if d_final_ref is None:
-        d_state = jnp.zeros(d_initial_ref.shape, jnp.float32)
+            @pl.when(first_ref[t] != 0)
+            def _():
+                d_initial_ref[sequence] = d_state
+
+        return d_state
+
+    if packed:
+        lax.fori_loop(0, n_chunks, step, jnp.zeros(tile_shape, jnp.float32))
     else:
-        d_state = d_final_ref[...].astype(jnp.float32)
-    d_initial_ref[...] = lax.fori_loop(0, n_chunks, step, d_state)
+        d_initial_ref[...] = lax.fori_loop(0, n_chunks, step, initial_tile(d_final_ref, ..., tile_shape))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_state_bwd(
     qg: jax.Array, kg: jax.Array, w: jax.Array, aqk: jax.Array, d_out: jax.Array, decay: jax.Array,
-    d_final: jax.Array | None, *, chunk: int = 64, block_v: int = 32, num_warps: int = 4, num_stages: int = 2,
-    interpret: bool = False,
+    d_final: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32,
+    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qg, kg, w [B, T, HV, K]; A_qk [B, T, HV, chunk]; dO [B, T, HV, V] (all one dtype); decay
-    [B, NT, HV, K] fp32; d_final [B, HV, K, V] or None.
+    [B, NT, HV, K] fp32; d_final [B, HV, K, V] or None ([N, HV, K, V] with `segments`, B = 1).
 
     Returns dh [B, NT, HV, K, V] (the cotangent of the state leaving each chunk, input dtype),
-    dv_new [B, T, HV, V] (input dtype) and d_initial [B, HV, K, V] fp32.
+    dv_new [B, T, HV, V] (input dtype) and d_initial [B, HV, K, V] fp32 (with `segments`:
+    [N, HV, K, V], rows of sequences without chunks unwritten).
     """
     batch, length, heads, dk = w.shape
     dv = d_out.shape[3]
@@ -81,7 +97,10 @@ def chunk_state_bwd(
         return pl.BlockSpec((None, length, None, width), lambda j, h, b: (b, 0, h, 0))
 
     values_spec = pl.BlockSpec((None, length, None, block_v), lambda j, h, b: (b, 0, h, j))
-    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda j, h, b: (b, h, 0, j))
+    if segments is not None and d_final is None:
+        raise ValueError("chunk_state_bwd: packed sequences need their final-state cotangents (zeros for none)")
+    states = batch if segments is None else d_final.shape[0]
+    state_spec = state_block_spec(segments is not None, states, dk, block_v)
     return pl.pallas_call(
         functools.partial(_state_bwd_kernel, chunk=chunk, precision=precision),
         grid=(dv // block_v, heads, batch),
@@ -89,6 +108,7 @@ def chunk_state_bwd(
             rows_spec(dk), rows_spec(dk), rows_spec(dk), rows_spec(chunk), values_spec,
             pl.BlockSpec((None, n_chunks, None, dk), lambda j, h, b: (b, 0, h, 0)),
             None if d_final is None else state_spec,
+            *segment_specs(segments, n_chunks),
         ],
         out_specs=[
             pl.BlockSpec((None, n_chunks, None, dk, block_v), lambda j, h, b: (b, 0, h, 0, j)),
@@ -98,9 +118,9 @@ def chunk_state_bwd(
         out_shape=[
             jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), w.dtype),
             jax.ShapeDtypeStruct(d_out.shape, w.dtype),
-            jax.ShapeDtypeStruct((batch, heads, dk, dv), jnp.float32),
+            jax.ShapeDtypeStruct((states, heads, dk, dv), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_chunk_state_bwd",
-    )(qg, kg, w, aqk, d_out, decay, d_final)
+    )(qg, kg, w, aqk, d_out, decay, d_final, *(segments or (None,) * 3))

@@ -2,8 +2,10 @@
 (`pallas_chunk_fwd`) and backward (`pallas_chunk_bwd`) joined by a custom VJP.
 
 The backward keeps nothing from the forward but its inputs: it recomputes the chunk-local terms and
-the chunk states, as flash-linear-attention does. Not supported yet (`auto` then picks XLA):
-cu_seqlens, K or V above 256.
+the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens) are laid out as XLA
+chunked lays them out (`xla_chunked.packed_layout`: each sequence from a chunk boundary, tokens
+scattered there and gathered back), and the state kernels restart per sequence. Not supported
+(`auto` then picks XLA): K or V above 256.
 """
 
 from __future__ import annotations
@@ -17,25 +19,33 @@ from hybrax.core import Invocation, register, runtime_device
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
 from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, kda_chunk_fwd
+from hybrax.ops.kda.pallas_chunk_state import Segments
+from hybrax.ops.kda.xla_chunked import Layout, packed_layout
 
 STATIC = ("scale", "l2_normalize", "chunk", "interpret")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def kda_chunk(q, k, v, g, beta, initial_state, scale: float, l2_normalize: bool, chunk: int, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def kda_chunk(
+    q, k, v, g, beta, initial_state, segments: Segments | None, scale: float, l2_normalize: bool, chunk: int,
+    interpret: bool,
+):
     """(o, final state) of KDA on [B, T, H | HV, K | V] inputs; see `kda_chunk_fwd`."""
     return kda_chunk_fwd(
-        q, k, v, g, beta, initial_state, scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=interpret
+        q, k, v, g, beta, initial_state, segments, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
+        interpret=interpret,
     )
 
 
-def _kda_chunk_fwd(q, k, v, g, beta, initial_state, *static):
-    return kda_chunk(q, k, v, g, beta, initial_state, *static), (q, k, v, g, beta, initial_state)
+def _kda_chunk_fwd(q, k, v, g, beta, initial_state, segments, *static):
+    inputs = (q, k, v, g, beta, initial_state, segments)
+    return kda_chunk(*inputs, *static), inputs
 
 
 def _kda_chunk_bwd(*args):
-    static, inputs, (d_out, d_final) = args[:4], args[4], args[5]
-    return kda_chunk_bwd(*inputs, d_out, d_final, **dict(zip(STATIC, static)))
+    static, (*inputs, segments), (d_out, d_final) = args[:4], args[4], args[5]
+    grads = kda_chunk_bwd(*inputs, d_out, d_final, segments, **dict(zip(STATIC, static)))
+    return (*grads, None)  # segments: integer metadata, no cotangent
 
 
 kda_chunk.defvjp(_kda_chunk_fwd, _kda_chunk_bwd)
@@ -44,8 +54,6 @@ kda_chunk.defvjp(_kda_chunk_fwd, _kda_chunk_bwd)
 def _supports(inv: Invocation) -> str | None:
     if not inv.static["use_chunked"]:
         return "use_chunked=False asks for the recurrent scan"
-    if inv.arrays["cu_seqlens"] is not None:
-        return "cu_seqlens (packed sequences) is not supported yet"
     dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
     if max(dk, dv) > MAX_HEAD_DIM:
         return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
@@ -69,8 +77,24 @@ def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
 )
 def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     decay = jnp.broadcast_to(problem.decay, (*problem.beta.shape, problem.q.shape[3]))
+    inputs = (problem.q, problem.k, problem.v, decay, problem.beta)
+    initial_state, segments, layout = problem.initial_state, None, None
+    if problem.cu_seqlens is not None:
+        layout = packed_layout(problem.cu_seqlens, problem.q.shape[1], cfg.chunk_size)
+        segments = Segments(*(x.astype(jnp.int32) for x in layout.segments))
+        inputs = tuple(_scatter(x, layout, cfg.chunk_size) for x in inputs)
+        if initial_state is None:
+            initial_state = jnp.zeros(problem.state_shape, jnp.float32)
     o, final = kda_chunk(
-        problem.q, problem.k, problem.v, decay, problem.beta, problem.initial_state,
-        problem.scale, problem.use_qk_l2norm, cfg.chunk_size, runtime_device() != "gpu",
+        *inputs, initial_state, segments, problem.scale, problem.use_qk_l2norm, cfg.chunk_size,
+        runtime_device() != "gpu",
     )
+    if layout is not None:  # tokens of no sequence read zeros
+        o = jnp.take(o, layout.destination, axis=1, mode="fill", fill_value=0)
     return o.astype(problem.q.dtype), final
+
+
+def _scatter(x: jax.Array, layout: Layout, chunk: int) -> jax.Array:
+    """[1, T, ...] packed tokens -> [1, NT * C, ...], each sequence from its first chunk, zeros between."""
+    padded = jnp.zeros((1, layout.num_chunks * chunk, *x.shape[2:]), x.dtype)
+    return padded.at[:, layout.destination].set(x, mode="drop")

@@ -230,7 +230,7 @@ def _dense_layout(length: int, chunk: int) -> Layout:
     return Layout(Segments(np.zeros(count, np.int32), index == 0, index == count - 1), None, count)
 
 
-def _packed_layout(cu_seqlens: jax.Array, length: int, chunk: int) -> Layout:
+def packed_layout(cu_seqlens: jax.Array, length: int, chunk: int) -> Layout:
     """Each sequence starts on a chunk boundary; the padded length bounds T + N (C - 1)."""
     sequences = cu_seqlens.shape[0] - 1
     count = -(-(length + sequences * (chunk - 1)) // chunk)
@@ -255,7 +255,7 @@ def _layout(problem: KdaProblem, chunk: int) -> Layout:
     length = problem.q.shape[1]
     if problem.cu_seqlens is None:
         return _dense_layout(length, chunk)
-    return _packed_layout(problem.cu_seqlens, length, chunk)
+    return packed_layout(problem.cu_seqlens, length, chunk)
 
 
 def _to_chunks(x: jax.Array, layout: Layout, chunk: int) -> jax.Array:
