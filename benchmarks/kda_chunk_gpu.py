@@ -175,19 +175,24 @@ STATE_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4), "v16w2": dict(block_v=
                   "v64w4": dict(block_v=64, num_warps=4), "v32w2": dict(block_v=32, num_warps=2)}
 
 
-def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: bool) -> None:
-    """Each kernel alone, on the inputs it sees inside the pipeline (with --sweep: each launch variant)."""
+def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
+    """Each kernel alone, on the inputs it sees inside the pipeline (the kernels named in --sweep: each
+    launch variant)."""
     chunk = 64
-    pick = lambda variants: variants if sweep else dict([next(iter(variants.items()))])  # noqa: E731
+    swept = set(sweep.split(","))
+
+    def pick(variants, kernel):
+        return variants if kernel in swept or "all" in swept else dict([next(iter(variants.items()))])
+
     prepare = jax.jit(lambda q, k, g: (*prepare_qk(q, k, scale, True), chunk_local_cumsum(g, chunk=chunk)))
     qn, kn, gates = staged(row, "prepare", prepare, q, k, g)
-    for name, settings in pick(SOLVE_VARIANTS).items():
+    for name, settings in pick(SOLVE_VARIANTS, "solve").items():
         solve = jax.jit(functools.partial(chunk_solve, chunk=chunk, **settings))
         inverse, aqk = staged(row, f"solve_{name}", solve, qn, kn, gates, beta)
-    for name, settings in pick(WY_VARIANTS).items():
+    for name, settings in pick(WY_VARIANTS, "wy").items():
         wy = jax.jit(functools.partial(chunk_wy, chunk=chunk, **settings))
         w, u, kg, qg, decay = staged(row, f"wy_{name}", wy, qn, kn, v, gates, beta, inverse)
-    for name, settings in pick(STATE_VARIANTS).items():
+    for name, settings in pick(STATE_VARIANTS, "state").items():
         state = jax.jit(lambda w, u, kg, decay, settings=settings: chunk_state(w, u, kg, decay, None, **settings))
         h, v_new, _ = staged(row, f"state_{name}", state, w, u, kg, decay)
     staged(row, "output", jax.jit(chunk_output), qg, h, aqk, v_new)
@@ -195,10 +200,10 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: bool) -> None:
     d_out = jax.random.normal(jax.random.key(2), v.shape, v.dtype)
     state_bwd = jax.jit(lambda *a: chunk_state_bwd(*a, None))
     dh, dv_new, _ = staged(row, "state_bwd", state_bwd, qg, kg, w, aqk, d_out, decay)
-    for name, settings in pick(GRAD_VARIANTS).items():
+    for name, settings in pick(GRAD_VARIANTS, "grad").items():
         grad = jax.jit(functools.partial(chunk_grad, chunk=chunk, **settings))
         *_, daqk, dakk = staged(row, f"grad_{name}", grad, qn, kn, v, gates, beta, inverse, h, dh, v_new, dv_new, d_out)
-    for name, settings in pick(INTRA_BWD_VARIANTS).items():
+    for name, settings in pick(INTRA_BWD_VARIANTS, "intra_bwd").items():
         intra = jax.jit(functools.partial(chunk_intra_bwd, chunk=chunk, **settings))
         staged(row, f"intra_bwd_{name}", intra, qn, kn, gates, beta, daqk, dakk)
     log(f"{row}")
@@ -267,7 +272,8 @@ def main() -> None:
     parser.add_argument("--no-xla", action="store_true", help="skip our XLA chunked path")
     parser.add_argument("--no-bwd", action="store_true", help="forward only")
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
-    parser.add_argument("--sweep", action="store_true", help="time each kernel's launch variants")
+    parser.add_argument("--sweep", default="", help="kernels whose launch variants to time: all, or some of "
+                        "solve,wy,state,grad,intra_bwd (comma-separated)")
     parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
