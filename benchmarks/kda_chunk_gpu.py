@@ -166,9 +166,9 @@ SOLVE_VARIANTS = {"k16w2": dict(block_k=16, num_warps=2), "k16w1": dict(block_k=
 INTRA_BWD_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k16w2": dict(block_k=16, num_warps=2),
                       "k16w4": dict(block_k=16, num_warps=4), "k32w2": dict(block_k=32, num_warps=2)}
 WY_VARIANTS = {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8)}
-GRAD_VARIANTS = {"k64v64w8": dict(block_k=64, block_v=64, num_warps=8),
+GRAD_VARIANTS = {"k32v64w4": dict(block_k=32, block_v=64, num_warps=4),
+                 "k64v64w8": dict(block_k=64, block_v=64, num_warps=8),
                  "k64v64w4": dict(block_k=64, block_v=64, num_warps=4),
-                 "k32v64w4": dict(block_k=32, block_v=64, num_warps=4),
                  "k64v32w4": dict(block_k=64, block_v=32, num_warps=4),
                  "k128v128w8": dict(block_k=128, block_v=128, num_warps=8)}
 STATE_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4), "v16w2": dict(block_v=16, num_warps=2),
@@ -292,7 +292,7 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "prepare_ms", "solve_k16w2_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "state_bwd_ms", "grad_k64v64w8_ms", "intra_bwd_k32w4_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
+               "prepare_ms", "solve_k16w2_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "state_bwd_ms", "grad_k32v64w4_ms", "intra_bwd_k32w4_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
                "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:

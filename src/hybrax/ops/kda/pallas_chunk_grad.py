@@ -121,7 +121,7 @@ def _grad_kernel(
 def chunk_grad(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, h: jax.Array,
     dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, *, chunk: int = 64,
-    block_k: int = 64, block_v: int = 64, num_warps: int = 8, interpret: bool = False,
+    block_k: int = 32, block_v: int = 64, num_warps: int = 4, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """q, k [B, T, H, K] (prepared); v, v_new, dv_new, dO [B, T, HV, V]; g [B, T, HV, K] (G, fp32);
     beta [B, T, HV]; T [B, T, HV, chunk]; h, dh [B, NT, HV, K, V].
