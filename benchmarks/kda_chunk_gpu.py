@@ -9,9 +9,10 @@ For every shape it checks correctness at full size (ours and fla against an fp32
 same inputs), then times the forward of fla, ours (pallas:chunked) and our XLA chunked path, the
 Pallas kernels one by one (first `--stages` shapes), and forward+backward with peak memory
 (median of event-timed runs for torch, median over rounds of back-to-back jitted calls for JAX;
-ours through the public `kernel_delta_attention`). Compiles are slow (fla autotunes ~70 s on its
-first call, our stage 1 compiles ~40 s): use --shapes and the --no-* flags to fit a 10-minute call. A short table is printed last; the full numbers go
-to $OUT/kda_chunk_gpu.json when OUT is set.
+ours through the public `kernel_delta_attention`); with the fp32 check also our gradients against
+our XLA chunked path's. fla autotunes ~80 s on its first call per head count: use --first, --shapes
+and the --no-* flags to fit a 10-minute call. A short table is printed last; the full numbers go to
+$OUT/kda_chunk_gpu.json when OUT is set.
 """
 
 from __future__ import annotations
@@ -292,8 +293,9 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "prepare_ms", "solve_k16w2_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "state_bwd_ms", "grad_k32v64w4_ms", "intra_bwd_k32w4_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms",
-               "fla_fb_MB", "pallas_fb_MB", "error"]
+               "prepare_ms", "solve_k16w2_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "state_bwd_ms",
+               "grad_k32v64w4_ms", "intra_bwd_k32w4_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio",
+               "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:
         variants = [name for name in row if name.startswith(("solve_", "wy_", "state", "grad_", "intra_bwd_"))]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_fwd import pad_to, forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to
+from hybrax.ops.kda.pallas_chunk_fwd import forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
 from hybrax.ops.kda.pallas_chunk_state import Segments

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from hybrax.ops.kda.pallas_tiles import chunk_rows_spec
 from jaxtyping import Array, Float
 
 
@@ -30,7 +32,7 @@ def chunk_local_cumsum(
 ) -> Float[Array, "B T HV K"]:
     """G [B, T, HV, K] fp32; T a multiple of `chunk`, K a power of two."""
     batch, length, heads, dk = g.shape
-    spec = pl.BlockSpec((None, chunk, None, dk), lambda t, h, b: (b, t, h, 0))
+    spec = chunk_rows_spec(chunk, dk)
     return pl.pallas_call(
         functools.partial(_cumsum_kernel, reverse=reverse),
         grid=(length // chunk, heads, batch),

@@ -27,15 +27,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import dot_settings, index_grid, mm, mm_t, solve_precision
-
-
-def mm_tn(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
-    """a.T @ b (contracting the first axis of both) with operands cast to `dtype`, fp32 accumulation."""
-    return lax.dot_general(
-        a.astype(dtype), b.astype(dtype), (((0,), (0,)), ((), ())),
-        precision=precision, preferred_element_type=jnp.float32,
-    )
+from hybrax.ops.kda.pallas_tiles import (
+    chunk_column_spec, chunk_rows_spec, chunk_state_spec, dot_settings, index_grid, mm_t, mm_tn, solve_precision,
+)
 
 
 def _grad_kernel(
@@ -134,11 +128,10 @@ def chunk_grad(
     group = value_heads // heads
     compute_dtype, precision = dot_settings(q.dtype, interpret)
 
-    def rows_spec(width, head=lambda h: h):
-        return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, head(h), 0))
+    def rows_spec(width, group=1):
+        return chunk_rows_spec(chunk, width, group)
 
-    state_spec = pl.BlockSpec((None, None, None, dk, dv), lambda t, h, b: (b, t, h, 0, 0))
-    beta_spec = pl.BlockSpec((None, chunk, None), lambda t, h, b: (b, t, h))
+    state_spec, beta_spec = chunk_state_spec(dk, dv), chunk_column_spec(chunk)
     token_shape = (batch, length, value_heads)
     f32 = jnp.float32
     kernel = functools.partial(
@@ -150,7 +143,7 @@ def chunk_grad(
         kernel,
         grid=(length // chunk, value_heads, batch),
         in_specs=[
-            rows_spec(dk, lambda h: h // group), rows_spec(dk, lambda h: h // group), rows_spec(dv), rows_spec(dk),
+            rows_spec(dk, group), rows_spec(dk, group), rows_spec(dv), rows_spec(dk),
             beta_spec, rows_spec(chunk), state_spec, state_spec, rows_spec(dv), rows_spec(dv), rows_spec(dv),
         ],
         out_specs=[

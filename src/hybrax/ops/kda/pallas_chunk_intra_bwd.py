@@ -23,9 +23,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_grad import mm_tn
 from hybrax.ops.kda.pallas_chunk_solve import STEEP
-from hybrax.ops.kda.pallas_tiles import SUB, index_grid, mm, solve_precision, sub_column
+from hybrax.ops.kda.pallas_tiles import (
+    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision, sub_column,
+)
 
 
 def _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, first: int, cols):
@@ -127,10 +128,10 @@ def chunk_intra_bwd(
     group = value_heads // heads
     block_k = min(block_k, dk)
 
-    def rows_spec(width, head=lambda h: h):
-        return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, head(h), 0))
+    def rows_spec(width, group=1):
+        return chunk_rows_spec(chunk, width, group)
 
-    beta_spec = pl.BlockSpec((None, chunk, None), lambda t, h, b: (b, t, h))
+    beta_spec = chunk_column_spec(chunk)
     token_shape = (batch, length, value_heads)
     keys_out = jax.ShapeDtypeStruct((*token_shape, dk), jnp.float32)
     kernel = functools.partial(_intra_bwd_kernel, block_k=block_k, precision=solve_precision(interpret, q.dtype))
@@ -138,7 +139,7 @@ def chunk_intra_bwd(
         kernel,
         grid=(length // chunk, value_heads, batch),
         in_specs=[
-            rows_spec(dk, lambda h: h // group), rows_spec(dk, lambda h: h // group), rows_spec(dk), beta_spec,
+            rows_spec(dk, group), rows_spec(dk, group), rows_spec(dk), beta_spec,
             rows_spec(chunk), rows_spec(chunk),
         ],
         out_specs=[rows_spec(dk), rows_spec(dk), rows_spec(dk), beta_spec],

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import dot_settings
+from hybrax.ops.kda.pallas_tiles import chunk_rows_spec, chunk_state_spec, dot_settings
 
 
 def _output_kernel(qg_ref, h_ref, aqk_ref, v_new_ref, o_ref, *, precision):
@@ -32,19 +32,14 @@ def chunk_output(
     dv = v_new.shape[3]
     _, precision = dot_settings(qg.dtype, interpret)
 
-    def token_spec(width):
-        return pl.BlockSpec((None, chunk, None, width), lambda t, hh, b: (b, t, hh, 0))
-
     return pl.pallas_call(
         functools.partial(_output_kernel, precision=precision),
         grid=(length // chunk, heads, batch),
         in_specs=[
-            token_spec(dk),
-            pl.BlockSpec((None, None, None, dk, dv), lambda t, hh, b: (b, t, hh, 0, 0)),
-            token_spec(chunk),
-            token_spec(dv),
+            chunk_rows_spec(chunk, dk), chunk_state_spec(dk, dv), chunk_rows_spec(chunk, chunk),
+            chunk_rows_spec(chunk, dv),
         ],
-        out_specs=token_spec(dv),
+        out_specs=chunk_rows_spec(chunk, dv),
         out_shape=jax.ShapeDtypeStruct(v_new.shape, v_new.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,

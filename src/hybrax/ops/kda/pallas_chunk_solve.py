@@ -28,7 +28,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import SUB, index_grid, mm, mm_t, solve_precision, sub_column
+from hybrax.ops.kda.pallas_tiles import (
+    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_t, solve_precision, sub_column,
+)
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
 # as a matmul: exp(60) = 1e26 keeps the factors and their products far from fp32's limits (3e38).
@@ -147,18 +149,15 @@ def chunk_solve(
     if precision is None:
         precision = solve_precision(interpret, q.dtype)
 
-    def rows_spec(width, head=lambda h: h):
-        return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, head(h), 0))
-
     out = jax.ShapeDtypeStruct((batch, length, value_heads, chunk), q.dtype)
     return pl.pallas_call(
         functools.partial(_solve_kernel, block_k=block_k, precision=precision),
         grid=(length // chunk, value_heads, batch),
         in_specs=[
-            rows_spec(dk, lambda h: h // group), rows_spec(dk, lambda h: h // group), rows_spec(dk),
-            pl.BlockSpec((None, chunk, None), lambda t, h, b: (b, t, h)),
+            chunk_rows_spec(chunk, dk, group), chunk_rows_spec(chunk, dk, group), chunk_rows_spec(chunk, dk),
+            chunk_column_spec(chunk),
         ],
-        out_specs=[rows_spec(chunk), rows_spec(chunk)],
+        out_specs=[chunk_rows_spec(chunk, chunk)] * 2,
         out_shape=[out, out],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,

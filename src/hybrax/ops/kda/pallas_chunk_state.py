@@ -9,11 +9,13 @@ chip and walks the chunks in order. At chunk t, with h the state before it:
 
 Packed sequences (`segments`, a batch of one): each sequence owns whole chunks; h restarts from its
 sequence's initial state at the sequence's first chunk and is its final state after its last.
+`state_pass_call` launches this kernel and its mirror in `pallas_chunk_state_bwd`.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -22,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import dot_settings
+from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn
 
 
 class Segments(NamedTuple):
@@ -33,62 +35,106 @@ class Segments(NamedTuple):
     last: jax.Array
 
 
-def state_block_spec(packed: bool, states: int, dk: int, block_v: int) -> pl.BlockSpec:
-    """The [K, BV] state slice of program (value block j, head h, batch b): its own row, or all N rows
-    of packed sequences (the program picks the row per chunk)."""
-    if packed:
-        return pl.BlockSpec((states, None, dk, block_v), lambda j, h, b: (0, h, 0, j))
-    return pl.BlockSpec((None, None, dk, block_v), lambda j, h, b: (b, h, 0, j))
+def state_tile(states_ref, index, shape) -> jax.Array:
+    """Row `index` (or `...`: the whole block) of a ref of states, fp32; zeros without the ref."""
+    return jnp.zeros(shape, jnp.float32) if states_ref is None else states_ref[index].astype(jnp.float32)
 
 
-def segment_specs(segments: Segments | None, n_chunks: int) -> list[pl.BlockSpec | None]:
-    spec = None if segments is None else pl.BlockSpec((n_chunks,), lambda j, h, b: (0,))
-    return [spec] * 3
+def restart(state, flag_ref, states_ref, sequence, t, shape) -> jax.Array:
+    """The carried state, or the sequence's row of `states_ref` at a chunk flagged in `flag_ref`."""
+    return jnp.where(flag_ref[t] != 0, state_tile(states_ref, sequence, shape), state)
 
 
-def initial_tile(h0_ref, index, shape) -> jax.Array:
-    """Row `index` of the initial states (zeros without them), fp32."""
-    return jnp.zeros(shape, jnp.float32) if h0_ref is None else h0_ref[index].astype(jnp.float32)
+def emit(state, flag_ref, out_ref, sequence, t) -> None:
+    """Store the state as the sequence's row of `out_ref` at a chunk flagged in `flag_ref`."""
+
+    @pl.when(flag_ref[t] != 0)
+    def _():
+        out_ref[sequence] = state
 
 
 def _state_kernel(
-    w_ref, u_ref, kg_ref, decay_ref, h0_ref, sequence_ref, first_ref, last_ref, h_ref, v_new_ref, final_ref,
+    w_ref, kg_ref, u_ref, decay_ref, h0_ref, sequence_ref, first_ref, last_ref, h_ref, v_new_ref, final_ref,
     *, chunk: int, precision,
 ):
-    n_chunks = decay_ref.shape[0]
     compute_dtype = w_ref.dtype
     packed = sequence_ref is not None
-    tile_shape = final_ref.shape[1:] if packed else final_ref.shape
+    shape = final_ref.shape[1:] if packed else final_ref.shape
 
     def step(t, state):
         if packed:
             sequence = sequence_ref[t]
-            state = jnp.where(first_ref[t] != 0, initial_tile(h0_ref, sequence, tile_shape), state)
+            state = restart(state, first_ref, h0_ref, sequence, t, shape)
         rows = pl.ds(t * chunk, chunk)
         h_ref[t, :, :] = state.astype(h_ref.dtype)
-        w = w_ref[rows, :]
         v_new = u_ref[rows, :].astype(jnp.float32) - jnp.dot(
-            w, state.astype(compute_dtype), precision=precision, preferred_element_type=jnp.float32
+            w_ref[rows, :], state.astype(compute_dtype), precision=precision, preferred_element_type=jnp.float32
         )
         v_new = v_new.astype(compute_dtype)
         v_new_ref[rows, :] = v_new
-        update = lax.dot_general(
-            kg_ref[rows, :], v_new, (((0,), (0,)), ((), ())),
-            precision=precision, preferred_element_type=jnp.float32,
-        )
-        state = decay_ref[t, :][:, None] * state + update
+        state = decay_ref[t, :][:, None] * state + mm_tn(kg_ref[rows, :], v_new, compute_dtype, precision)
         if packed:
-
-            @pl.when(last_ref[t] != 0)
-            def _():
-                final_ref[sequence] = state
-
+            emit(state, last_ref, final_ref, sequence, t)
         return state
 
+    n_chunks = decay_ref.shape[0]
     if packed:
-        lax.fori_loop(0, n_chunks, step, jnp.zeros(tile_shape, jnp.float32))
+        lax.fori_loop(0, n_chunks, step, jnp.zeros(shape, jnp.float32))
     else:
-        final_ref[...] = lax.fori_loop(0, n_chunks, step, initial_tile(h0_ref, ..., tile_shape))
+        final_ref[...] = lax.fori_loop(0, n_chunks, step, state_tile(h0_ref, ..., shape))
+
+
+def state_pass_call(
+    kernel: Callable, rows: Sequence[jax.Array], values: jax.Array, decay: jax.Array, states: jax.Array | None,
+    segments: Segments | None, *, chunk: int, block_v: int, num_warps: int, num_stages: int, interpret: bool,
+    name: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Launch a state pass: one program per (value block, value head, batch) over whole sequences.
+
+    kernel(*row refs, values, decay, states, sequence, first, last, per-chunk states out, values out,
+    states out); rows [B, T, HV, width] (any widths), values [B, T, HV, V], decay [B, NT, HV, K],
+    states [B | N, HV, K, V] or None (required with `segments`). Returns ([B, NT, HV, K, V] and
+    [B, T, HV, V] in the rows' dtype, [B | N, HV, K, V] fp32).
+    """
+    batch, length, heads, dk = decay.shape[0], values.shape[1], values.shape[2], decay.shape[3]
+    dv = values.shape[3]
+    n_chunks = length // chunk
+    block_v = min(block_v, dv)
+    if segments is not None and states is None:
+        raise ValueError(f"{name}: packed sequences need their states (zeros for none)")
+    count = batch if segments is None else states.shape[0]
+    if segments is None:
+        state_spec = pl.BlockSpec((None, None, dk, block_v), lambda j, h, b: (b, h, 0, j))
+        segment_spec = None
+    else:  # all N rows: the program picks a sequence's row per chunk
+        state_spec = pl.BlockSpec((count, None, dk, block_v), lambda j, h, b: (0, h, 0, j))
+        segment_spec = pl.BlockSpec((n_chunks,), lambda j, h, b: (0,))
+
+    # Whole-sequence blocks: the program walks the chunks itself.
+    row_specs = [pl.BlockSpec((None, length, None, x.shape[3]), lambda j, h, b: (b, 0, h, 0)) for x in rows]
+    values_spec = pl.BlockSpec((None, length, None, block_v), lambda j, h, b: (b, 0, h, j))
+    dtype = rows[0].dtype
+    return pl.pallas_call(
+        kernel,
+        grid=(dv // block_v, heads, batch),
+        in_specs=[
+            *row_specs, values_spec, pl.BlockSpec((None, n_chunks, None, dk), lambda j, h, b: (b, 0, h, 0)),
+            None if states is None else state_spec, *[segment_spec] * 3,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, n_chunks, None, dk, block_v), lambda j, h, b: (b, 0, h, 0, j)),
+            values_spec,
+            state_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), dtype),
+            jax.ShapeDtypeStruct(values.shape, dtype),
+            jax.ShapeDtypeStruct((count, heads, dk, dv), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*rows, values, decay, states, *(segments or (None,) * 3))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
@@ -104,42 +150,9 @@ def chunk_state(
     final state [B, HV, K, V] fp32 (with `segments`: [N, HV, K, V], rows of sequences without chunks
     unwritten).
     """
-    batch, length, heads, dk = w.shape
-    dv = u.shape[3]
-    n_chunks = length // chunk
-    block_v = min(block_v, dv)
     _, precision = dot_settings(w.dtype, interpret)
-
-    # Whole-sequence blocks: the program walks the chunks itself.
-    keys_spec = pl.BlockSpec((None, length, None, dk), lambda j, h, b: (b, 0, h, 0))
-    values_spec = pl.BlockSpec((None, length, None, block_v), lambda j, h, b: (b, 0, h, j))
-
-    if segments is not None and initial_state is None:
-        raise ValueError("chunk_state: packed sequences need their initial states (zeros for none)")
-    states = batch if segments is None else initial_state.shape[0]
-    state_spec = state_block_spec(segments is not None, states, dk, block_v)
-    in_specs = [
-        keys_spec, values_spec, keys_spec,
-        pl.BlockSpec((None, n_chunks, None, dk), lambda j, h, b: (b, 0, h, 0)),
-        None if initial_state is None else state_spec,
-        *segment_specs(segments, n_chunks),
-    ]
-    kernel = functools.partial(_state_kernel, chunk=chunk, precision=precision)
-    return pl.pallas_call(
-        kernel,
-        grid=(dv // block_v, heads, batch),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, n_chunks, None, dk, block_v), lambda j, h, b: (b, 0, h, 0, j)),
-            values_spec,
-            state_spec,
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), w.dtype),
-            jax.ShapeDtypeStruct(u.shape, w.dtype),
-            jax.ShapeDtypeStruct((states, heads, dk, dv), jnp.float32),
-        ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
+    return state_pass_call(
+        functools.partial(_state_kernel, chunk=chunk, precision=precision), (w, kg), u, decay, initial_state,
+        segments, chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         name="kda_chunk_state",
-    )(w, u, kg, decay, initial_state, *(segments or (None,) * 3))
+    )

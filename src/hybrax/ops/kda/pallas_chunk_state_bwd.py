@@ -21,56 +21,46 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_state import Segments, initial_tile, segment_specs, state_block_spec
-from hybrax.ops.kda.pallas_tiles import dot_settings
-
-
-def _mm_tn(a: jax.Array, b: jax.Array, precision) -> jax.Array:
-    """a^T @ b (contracting the first axis of both), fp32 accumulation."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+from hybrax.ops.kda.pallas_chunk_state import Segments, emit, restart, state_pass_call, state_tile
+from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn
 
 
 def _state_bwd_kernel(
     qg_ref, kg_ref, w_ref, aqk_ref, d_out_ref, decay_ref, d_final_ref, sequence_ref, first_ref, last_ref,
     dh_ref, dv_new_ref, d_initial_ref, *, chunk: int, precision,
 ):
-    n_chunks = decay_ref.shape[0]
     compute_dtype = w_ref.dtype
     packed = sequence_ref is not None
-    tile_shape = d_initial_ref.shape[1:] if packed else d_initial_ref.shape
+    shape = d_initial_ref.shape[1:] if packed else d_initial_ref.shape
+    n_chunks = decay_ref.shape[0]
 
     def step(i, d_state):
         t = n_chunks - 1 - i
         if packed:
             sequence = sequence_ref[t]
-            d_state = jnp.where(last_ref[t] != 0, initial_tile(d_final_ref, sequence, tile_shape), d_state)
+            d_state = restart(d_state, last_ref, d_final_ref, sequence, t, shape)
         rows = pl.ds(t * chunk, chunk)
         dh_ref[t, :, :] = d_state.astype(dh_ref.dtype)
         d_out = d_out_ref[rows, :]
-        dv_new = _mm_tn(aqk_ref[rows, :], d_out, precision) + jnp.dot(
+        dv_new = mm_tn(aqk_ref[rows, :], d_out, compute_dtype, precision) + jnp.dot(
             kg_ref[rows, :], d_state.astype(compute_dtype), precision=precision, preferred_element_type=jnp.float32
         )
         dv_new = dv_new.astype(compute_dtype)
         dv_new_ref[rows, :] = dv_new
         d_state = (
             decay_ref[t, :][:, None] * d_state
-            + _mm_tn(qg_ref[rows, :], d_out, precision)
-            - _mm_tn(w_ref[rows, :], dv_new, precision)
+            + mm_tn(qg_ref[rows, :], d_out, compute_dtype, precision)
+            - mm_tn(w_ref[rows, :], dv_new, compute_dtype, precision)
         )
         if packed:
-
-            @pl.when(first_ref[t] != 0)
-            def _():
-                d_initial_ref[sequence] = d_state
-
+            emit(d_state, first_ref, d_initial_ref, sequence, t)
         return d_state
 
     if packed:
-        lax.fori_loop(0, n_chunks, step, jnp.zeros(tile_shape, jnp.float32))
+        lax.fori_loop(0, n_chunks, step, jnp.zeros(shape, jnp.float32))
     else:
-        d_initial_ref[...] = lax.fori_loop(0, n_chunks, step, initial_tile(d_final_ref, ..., tile_shape))
+        d_initial_ref[...] = lax.fori_loop(0, n_chunks, step, state_tile(d_final_ref, ..., shape))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
@@ -86,41 +76,9 @@ def chunk_state_bwd(
     dv_new [B, T, HV, V] (input dtype) and d_initial [B, HV, K, V] fp32 (with `segments`:
     [N, HV, K, V], rows of sequences without chunks unwritten).
     """
-    batch, length, heads, dk = w.shape
-    dv = d_out.shape[3]
-    n_chunks = length // chunk
-    block_v = min(block_v, dv)
     _, precision = dot_settings(w.dtype, interpret)
-
-    # Whole-sequence blocks: the program walks the chunks itself.
-    def rows_spec(width):
-        return pl.BlockSpec((None, length, None, width), lambda j, h, b: (b, 0, h, 0))
-
-    values_spec = pl.BlockSpec((None, length, None, block_v), lambda j, h, b: (b, 0, h, j))
-    if segments is not None and d_final is None:
-        raise ValueError("chunk_state_bwd: packed sequences need their final-state cotangents (zeros for none)")
-    states = batch if segments is None else d_final.shape[0]
-    state_spec = state_block_spec(segments is not None, states, dk, block_v)
-    return pl.pallas_call(
-        functools.partial(_state_bwd_kernel, chunk=chunk, precision=precision),
-        grid=(dv // block_v, heads, batch),
-        in_specs=[
-            rows_spec(dk), rows_spec(dk), rows_spec(dk), rows_spec(chunk), values_spec,
-            pl.BlockSpec((None, n_chunks, None, dk), lambda j, h, b: (b, 0, h, 0)),
-            None if d_final is None else state_spec,
-            *segment_specs(segments, n_chunks),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, n_chunks, None, dk, block_v), lambda j, h, b: (b, 0, h, 0, j)),
-            values_spec,
-            state_spec,
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), w.dtype),
-            jax.ShapeDtypeStruct(d_out.shape, w.dtype),
-            jax.ShapeDtypeStruct((states, heads, dk, dv), jnp.float32),
-        ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kda_chunk_state_bwd",
-    )(qg, kg, w, aqk, d_out, decay, d_final, *(segments or (None,) * 3))
+    return state_pass_call(
+        functools.partial(_state_bwd_kernel, chunk=chunk, precision=precision), (qg, kg, w, aqk), d_out, decay,
+        d_final, segments, chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret, name="kda_chunk_state_bwd",
+    )

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import dot_settings, mm
+from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_settings, mm
 
 
 def _wy_kernel(
@@ -51,16 +51,16 @@ def chunk_wy(
     group = value_heads // heads
     compute_dtype, precision = dot_settings(q.dtype, interpret)
 
-    def rows_spec(width, head=lambda h: h):
-        return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, head(h), 0))
+    def rows_spec(width, group=1):
+        return chunk_rows_spec(chunk, width, group)
 
     token_shape = (batch, length, value_heads)
     return pl.pallas_call(
         functools.partial(_wy_kernel, compute_dtype=compute_dtype, precision=precision),
         grid=(length // chunk, value_heads, batch),
         in_specs=[
-            rows_spec(dk, lambda h: h // group), rows_spec(dk, lambda h: h // group), rows_spec(dv), rows_spec(dk),
-            pl.BlockSpec((None, chunk, None), lambda t, h, b: (b, t, h)), rows_spec(chunk),
+            rows_spec(dk, group), rows_spec(dk, group), rows_spec(dv), rows_spec(dk), chunk_column_spec(chunk),
+            rows_spec(chunk),
         ],
         out_specs=[
             rows_spec(dk), rows_spec(dv), rows_spec(dk), rows_spec(dk),

@@ -48,6 +48,30 @@ def mm_t(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
     )
 
 
+def mm_tn(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
+    """a.T @ b (contracting the first axis of both)."""
+    return lax.dot_general(
+        a.astype(dtype), b.astype(dtype), (((0,), (0,)), ((), ())),
+        precision=precision, preferred_element_type=jnp.float32,
+    )
+
+
+def chunk_rows_spec(chunk: int, width: int, group: int = 1) -> pl.BlockSpec:
+    """One chunk's rows [chunk, width] of a [B, T, heads, width] array, for the program (chunk t, value
+    head h, batch b) of a per-chunk kernel; `group` value heads share each of the array's heads."""
+    return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, h // group, 0))
+
+
+def chunk_column_spec(chunk: int) -> pl.BlockSpec:
+    """One chunk's [chunk] entries of a [B, T, HV] array (beta), for a per-chunk kernel."""
+    return pl.BlockSpec((None, chunk, None), lambda t, h, b: (b, t, h))
+
+
+def chunk_state_spec(dk: int, dv: int) -> pl.BlockSpec:
+    """The [K, V] state of one chunk of a [B, NT, HV, K, V] array, for a per-chunk kernel."""
+    return pl.BlockSpec((None, None, None, dk, dv), lambda t, h, b: (b, t, h, 0, 0))
+
+
 def index_grid(n: int) -> tuple[jax.Array, jax.Array]:
     """Row and column indices of an n x n tile."""
     return lax.broadcasted_iota(jnp.int32, (n, n), 0), lax.broadcasted_iota(jnp.int32, (n, n), 1)
