@@ -1,7 +1,7 @@
 """KDA chunked backward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    recompute  the forward's stages 0-2 (`pallas_chunk_fwd.forward_stages`): G, T, A_qk, w, kg, qg,
-               the chunk states h and v_new (nothing but the inputs is kept from the forward)
+    recompute  the forward's stages 0-2 (`pallas_chunk_fwd.forward_stages`) but 1a: G, w, kg, qg,
+               the chunk states h and v_new (the forward keeps its inputs and stage 1a's T and A_qk)
     stage 2'   pallas_chunk_state_bwd   the state pass in reverse: dh per chunk, dv_new, d initial state
     stage 1'   pallas_chunk_grad        the chunk-local gradients, dA_qk and dA_kk (per chunk)
     stage 1a'  pallas_chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_fwd import forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to
+from hybrax.ops.kda.pallas_chunk_fwd import Solved, forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
 from hybrax.ops.kda.pallas_chunk_state import Segments
@@ -43,6 +43,7 @@ def kda_chunk_bwd(
     d_out: Float[Array, "B T HV V"],
     d_final: Float[Array, "B HV K V"],
     segments: Segments | None = None,
+    solved: Solved | None = None,
     *,
     scale: float,
     l2_normalize: bool = True,
@@ -51,13 +52,13 @@ def kda_chunk_bwd(
 ) -> tuple[jax.Array, ...]:
     """The cotangents (dq, dk, dv, dg, dbeta, d initial state) of `kda_chunk_fwd`'s (o, final state);
     each in its input's dtype (d initial state None when the initial state is None). `segments` as
-    in `kda_chunk_fwd`."""
+    in `kda_chunk_fwd`; `solved`: the forward's stage 1a outputs (recomputed when None)."""
     length, heads, dk = q.shape[1], q.shape[2], q.shape[3]
     dv = v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
     normalized, normalize_vjp = jax.vjp(lambda q, k: normalize_qk(q, k, scale, l2_normalize), x.q, x.k)
     qn, kn = (y.astype(x.q.dtype) for y in normalized)  # as the forward's kernels read them
-    s = forward_stages(x, qn, kn, segments, chunk=chunk, interpret=interpret)
+    s = forward_stages(x, qn, kn, segments, solved, chunk=chunk, interpret=interpret)
     d_out = pad_to(d_out.astype(x.v.dtype), {1: x.v.shape[1], 3: x.v.shape[3]})
     d_final = pad_to(d_final.astype(jnp.float32), {2: x.k.shape[3], 3: x.v.shape[3]})
 

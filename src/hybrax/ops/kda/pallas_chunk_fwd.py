@@ -99,13 +99,23 @@ class Stages(NamedTuple):
     final_state: jax.Array  # [B, HV, K, V] fp32
 
 
+class Solved(NamedTuple):
+    """Stage 1a's outputs, [B, T, HV, C] each (padded): what the backward keeps from the forward."""
+
+    inverse: jax.Array
+    aqk: jax.Array
+
+
 def forward_stages(
-    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, *, chunk: int, block_v: int = 32,
-    state_warps: int = 4, interpret: bool = False,
+    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None, *,
+    chunk: int, block_v: int = 32, state_warps: int = 4, interpret: bool = False,
 ) -> Stages:
-    """The stages on padded inputs, with q and k already through `prepare_qk`."""
+    """The stages on padded inputs, with q and k already through `prepare_qk` (stage 1a skipped when
+    its outputs are given)."""
     g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
-    inverse, aqk = chunk_solve(q, k, g, x.beta, chunk=chunk, interpret=interpret)
+    if solved is None:
+        solved = Solved(*chunk_solve(q, k, g, x.beta, chunk=chunk, interpret=interpret))
+    inverse, aqk = solved
     w, u, kg, qg, decay = chunk_wy(q, k, x.v, g, x.beta, inverse, chunk=chunk, interpret=interpret)
     h, v_new, final_state = chunk_state(
         w, u, kg, decay, x.initial_state, segments, chunk=chunk, block_v=block_v, num_warps=state_warps,
@@ -114,11 +124,17 @@ def forward_stages(
     return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new, final_state)
 
 
+def kda_chunk_fwd(*args, **kwargs) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
+    """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32); the arguments
+    of `kda_chunk_fwd_solved`."""
+    return kda_chunk_fwd_solved(*args, **kwargs)[:2]
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "interpret"),
 )
-def kda_chunk_fwd(
+def kda_chunk_fwd_solved(
     q: Float[Array, "B T H K"],
     k: Float[Array, "B T H K"],
     v: Float[Array, "B T HV V"],
@@ -133,8 +149,9 @@ def kda_chunk_fwd(
     block_v: int = 32,
     state_warps: int = 4,
     interpret: bool = False,
-) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
-    """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32).
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"], Solved]:
+    """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and stage 1a's
+    outputs (T and A_qk, padded), which the backward takes instead of recomputing them.
 
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the
@@ -151,7 +168,7 @@ def kda_chunk_fwd(
     final_state = s.final_state
     if segments is not None:  # a sequence without tokens ends where it began
         final_state = jnp.where(has_chunks(segments, final_state.shape[0]), final_state, x.initial_state)
-    return o[:, :length, :, :dv], final_state[:, :, :dk, :dv]
+    return o[:, :length, :, :dv], final_state[:, :, :dk, :dv], Solved(s.inverse, s.aqk)
 
 
 def has_chunks(segments: Segments, sequences: int) -> jax.Array:

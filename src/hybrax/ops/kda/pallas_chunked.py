@@ -1,8 +1,9 @@
 """`kernel_delta_attention`'s "pallas:chunked" implementation: the Pallas forward
 (`pallas_chunk_fwd`) and backward (`pallas_chunk_bwd`) joined by a custom VJP.
 
-The backward keeps nothing from the forward but its inputs: it recomputes the chunk-local terms and
-the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens) are laid out as XLA
+The backward keeps the forward's inputs, T = (I + A_kk)^-1 and A_qk (2 x [B, T, HV, 64] in the
+input dtype: the most expensive stage to recompute, the cheapest to keep) and recomputes the other
+chunk-local terms and the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens) are laid out as XLA
 chunked lays them out (`xla_chunked.packed_layout`: each sequence from a chunk boundary, tokens
 scattered there and gathered back), and the state kernels restart per sequence. Not supported
 (`auto` then picks XLA): K or V above 256.
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from hybrax.core import Invocation, register, runtime_device
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
-from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, kda_chunk_fwd
+from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, kda_chunk_fwd, kda_chunk_fwd_solved
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.xla_chunked import Layout, packed_layout
 
@@ -39,12 +40,13 @@ def kda_chunk(
 
 def _kda_chunk_fwd(q, k, v, g, beta, initial_state, segments, *static):
     inputs = (q, k, v, g, beta, initial_state, segments)
-    return kda_chunk(*inputs, *static), inputs
+    o, final, solved = kda_chunk_fwd_solved(*inputs, **dict(zip(STATIC, static)))
+    return (o, final), (inputs, solved)
 
 
 def _kda_chunk_bwd(*args):
-    static, (*inputs, segments), (d_out, d_final) = args[:4], args[4], args[5]
-    grads = kda_chunk_bwd(*inputs, d_out, d_final, segments, **dict(zip(STATIC, static)))
+    static, ((*inputs, segments), solved), (d_out, d_final) = args[:4], args[4], args[5]
+    grads = kda_chunk_bwd(*inputs, d_out, d_final, segments, solved, **dict(zip(STATIC, static)))
     return (*grads, None)  # segments: integer metadata, no cotangent
 
 
