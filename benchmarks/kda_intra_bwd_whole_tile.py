@@ -151,7 +151,8 @@ def check_on_cpu() -> None:
         for block_k in (16, 64):
             got = intra_bwd_whole_tile(*args, block_k=block_k, interpret=True)
             errors = [rel(a, b) for a, b in zip(got, want)]
-            print(f"hard gates {hard}, block_k {block_k}: errors (dq, dk, dG, dbeta)", " ".join(f"{e:.1e}" for e in errors))
+            print(f"hard gates {hard}, block_k {block_k}: errors (dq, dk, dG, dbeta)",
+                  " ".join(f"{e:.1e}" for e in errors))
             assert max(errors) < 1e-5, errors
 
 
