@@ -6,6 +6,8 @@ pipeline to Triton IR for an H200 (no GPU needed), so an unsupported primitive f
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,6 +173,23 @@ def test_supports_every_layout_up_to_head_dim_256():
     wide = kernel.prepare(*(jnp.zeros((1, 4, 1, 512)) for _ in range(3)), beta[:, :4], g[:, :4, :, 0])
     reason = pallas.supports(kernel.invocation(wide, "pallas"))
     assert reason is not None and "256" in reason
+
+
+@pytest.mark.parametrize(
+    ("length", "dim", "packed", "chosen"),
+    [(32, 16, False, "pallas:chunked"), (32, 16, True, "pallas:chunked"), (1, 16, False, "pallas:decode"),
+     (32, 512, False, "xla:chunked")],
+)
+def test_auto_on_a_gpu(length, dim, packed, chosen):
+    # What `auto` takes on a GPU (the invocation as a GPU call would build it): the Pallas kernels,
+    # XLA where they decline (K above 256).
+    q, k, v = (jnp.zeros((1, length, 2, dim)) for _ in range(3))
+    beta, g = jnp.zeros((1, length, 2)), jnp.zeros((1, length, 2, dim))
+    cu_seqlens = jnp.array([0, length // 2, length], jnp.int32) if packed else None
+    kernel = api.KernelDeltaAttention()
+    inv = kernel.invocation(kernel.prepare(q, k, v, beta, g, cu_seqlens=cu_seqlens))
+    on_gpu = dataclasses.replace(inv, device="gpu", device_kind="NVIDIA H200")
+    assert kernel.implementations(on_gpu)[0].name == chosen
 
 
 def lower_for_h200(fn, *args) -> str:
