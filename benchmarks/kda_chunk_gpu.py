@@ -38,11 +38,10 @@ from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_intra import chunk_intra  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_output import chunk_output  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_solve import chunk_solve  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state import chunk_state  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_wy import chunk_wy  # noqa: E402
 
 SHAPES = [(1, 8192, 32, 128), (8, 2048, 16, 128), (1, 32768, 16, 128), (2, 16384, 16, 128)]
 
@@ -162,11 +161,10 @@ def staged(row: dict, name: str, fn, *args):
 
 
 # Launch settings tried per kernel with --sweep (the first of each is the pipeline's default).
-SOLVE_VARIANTS = {"k16w2": dict(block_k=16, num_warps=2), "k16w1": dict(block_k=16, num_warps=1),
-                  "k32w2": dict(block_k=32, num_warps=2), "k16w4": dict(block_k=16, num_warps=4)}
+INTRA_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k16w4": dict(block_k=16, num_warps=4),
+                  "k32v32w4": dict(block_k=32, block_v=32, num_warps=4), "k32w2": dict(block_k=32, num_warps=2)}
 INTRA_BWD_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k16w2": dict(block_k=16, num_warps=2),
                       "k16w4": dict(block_k=16, num_warps=4), "k32w2": dict(block_k=32, num_warps=2)}
-WY_VARIANTS = {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8)}
 GRAD_VARIANTS = {"k32v64w4": dict(block_k=32, block_v=64, num_warps=4),
                  "k64v64w8": dict(block_k=64, block_v=64, num_warps=8),
                  "k64v64w4": dict(block_k=64, block_v=64, num_warps=4),
@@ -187,12 +185,9 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
 
     prepare = jax.jit(lambda q, k, g: (*prepare_qk(q, k, scale, True), chunk_local_cumsum(g, chunk=chunk)))
     qn, kn, gates = staged(row, "prepare", prepare, q, k, g)
-    for name, settings in pick(SOLVE_VARIANTS, "solve").items():
-        solve = jax.jit(functools.partial(chunk_solve, chunk=chunk, **settings))
-        inverse, aqk = staged(row, f"solve_{name}", solve, qn, kn, gates, beta)
-    for name, settings in pick(WY_VARIANTS, "wy").items():
-        wy = jax.jit(functools.partial(chunk_wy, chunk=chunk, **settings))
-        w, u, kg, qg, decay = staged(row, f"wy_{name}", wy, qn, kn, v, gates, beta, inverse)
+    for name, settings in pick(INTRA_VARIANTS, "intra").items():
+        intra = jax.jit(functools.partial(chunk_intra, chunk=chunk, **settings))
+        (inverse, aqk), (w, u, kg, qg, decay) = staged(row, f"intra_{name}", intra, qn, kn, v, gates, beta)
     for name, settings in pick(STATE_VARIANTS, "state").items():
         state = jax.jit(lambda w, u, kg, decay, settings=settings: chunk_state(w, u, kg, decay, None, **settings))
         h, v_new, _ = staged(row, f"state_{name}", state, w, u, kg, decay)
@@ -274,7 +269,7 @@ def main() -> None:
     parser.add_argument("--no-bwd", action="store_true", help="forward only")
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
     parser.add_argument("--sweep", default="", help="kernels whose launch variants to time: all, or some of "
-                        "solve,wy,state,grad,intra_bwd (comma-separated)")
+                        "intra,state,grad,intra_bwd (comma-separated)")
     parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
@@ -293,12 +288,12 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "prepare_ms", "solve_k16w2_ms", "wy_w4_ms", "state_v32w4_ms", "output_ms", "state_bwd_ms",
+               "prepare_ms", "intra_k32w4_ms", "state_v32w4_ms", "output_ms", "state_bwd_ms",
                "grad_k32v64w4_ms", "intra_bwd_k32w4_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio",
                "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:
-        variants = [name for name in row if name.startswith(("solve_", "wy_", "state", "grad_", "intra_bwd_"))]
+        variants = [name for name in row if name.startswith(("intra_", "state", "grad_"))]
         if len(variants) > 3:
             print(row["shape"], "  ".join(f"{name[:-3]} {row[name]}" for name in variants))
 

@@ -31,7 +31,7 @@ from timing import print_table  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_solve import STEEP  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_intra import STEEP  # noqa: E402
 from hybrax.ops.kda.pallas_tiles import (  # noqa: E402
     SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision,
 )
@@ -57,7 +57,8 @@ def _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k, diagon
 
 
 def _whole_tile_kernel(
-    q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, block_k, precision
+    q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref,
+    *, block_k, precision, masked,
 ):
     chunk = q_ref.shape[0]
     n_sub = chunk // SUB
@@ -86,9 +87,14 @@ def _whole_tile_kernel(
             to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
             from_start = jnp.exp(jnp.minimum(start - gates, STEEP))
             right = keys * from_start
-            p_a, d_a, r_a = (jnp.where(row_block == a, x, 0.0) for x in factored)
-            y_q = y_q + mm(p_a, right, jnp.float32, precision) * to_start
-            y_k = y_k + mm(d_a, right, jnp.float32, precision) * to_start
+            if masked:
+                p_a, d_a, r_a = (jnp.where(row_block == a, x, 0.0) for x in factored)
+                y_q = y_q + mm(p_a, right, jnp.float32, precision) * to_start
+                y_k = y_k + mm(d_a, right, jnp.float32, precision) * to_start
+            else:  # rows outside a are dropped by to_start (zero there) instead of masked operands
+                p_a, r_a = factored[0], factored[2]
+                y_q = y_q + jnp.where(in_a, mm(p_a, right, jnp.float32, precision), 0.0) * to_start
+                y_k = y_k + jnp.where(in_a, mm(factored[1], right, jnp.float32, precision), 0.0) * to_start
             column = mm_tn(p_a, queries * to_start, jnp.float32, precision)
             z = z + (column + mm_tn(r_a, keys * to_start, jnp.float32, precision)) * from_start
         exact = lax.cond(
@@ -105,8 +111,10 @@ def _whole_tile_kernel(
     dbeta_ref[...] = lax.fori_loop(0, q_ref.shape[1] // block_k, slice_pass, jnp.zeros((chunk,), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "interpret"))
-def intra_bwd_whole_tile(q, k, g, beta, daqk, dakk, *, chunk=64, block_k=32, num_warps=4, interpret=False):
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "masked", "interpret"))
+def intra_bwd_whole_tile(
+    q, k, g, beta, daqk, dakk, *, chunk=64, block_k=32, num_warps=4, masked=False, interpret=False
+):
     """`chunk_intra_bwd`'s contract: dq, dk, dG [B, T, HV, K] and dbeta [B, T, HV], fp32."""
     batch, length, heads, dk = q.shape
     value_heads = g.shape[2]
@@ -114,7 +122,7 @@ def intra_bwd_whole_tile(q, k, g, beta, daqk, dakk, *, chunk=64, block_k=32, num
     rows = functools.partial(chunk_rows_spec, chunk)
     keys_out = jax.ShapeDtypeStruct((batch, length, value_heads, dk), jnp.float32)
     kernel = functools.partial(
-        _whole_tile_kernel, block_k=min(block_k, dk), precision=solve_precision(interpret, q.dtype)
+        _whole_tile_kernel, block_k=min(block_k, dk), precision=solve_precision(interpret, q.dtype), masked=masked
     )
     return pl.pallas_call(
         kernel,
@@ -148,8 +156,8 @@ def check_on_cpu() -> None:
     for hard in (False, True):
         args = _inputs((1, 128, 2, 64), jnp.float32, hard)
         want = chunk_intra_bwd(*args, interpret=True)
-        for block_k in (16, 64):
-            got = intra_bwd_whole_tile(*args, block_k=block_k, interpret=True)
+        for block_k, masked in ((16, False), (64, False), (16, True)):
+            got = intra_bwd_whole_tile(*args, block_k=block_k, masked=masked, interpret=True)
             errors = [rel(a, b) for a, b in zip(got, want)]
             print(f"hard gates {hard}, block_k {block_k}: errors (dq, dk, dG, dbeta)",
                   " ".join(f"{e:.1e}" for e in errors))
@@ -160,9 +168,9 @@ def time_on_gpu() -> None:
     args = _inputs((1, 8192, 32, 128), jnp.bfloat16)
     want = jax.block_until_ready(chunk_intra_bwd(*args))
     variants = {"library (k32w4)": chunk_intra_bwd}
-    for block_k, num_warps in ((16, 4), (32, 4), (32, 8), (64, 8)):
-        variants[f"whole tile k{block_k}w{num_warps}"] = functools.partial(
-            intra_bwd_whole_tile, block_k=block_k, num_warps=num_warps
+    for block_k, num_warps, masked in ((16, 4, False), (32, 4, False), (16, 2, False), (32, 8, False), (16, 4, True)):
+        variants[f"whole tile k{block_k}w{num_warps}{' masked' if masked else ''}"] = functools.partial(
+            intra_bwd_whole_tile, block_k=block_k, num_warps=num_warps, masked=masked
         )
     rows = []
     for name, fn in variants.items():

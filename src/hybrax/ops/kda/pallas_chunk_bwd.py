@@ -1,10 +1,10 @@
 """KDA chunked backward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    recompute  the forward's stages 0-2 (`pallas_chunk_fwd.forward_stages`) but 1a: G, w, kg, qg,
-               the chunk states h and v_new (the forward keeps its inputs and stage 1a's T and A_qk)
+    recompute  the forward's stages 0-2 (`pallas_chunk_fwd.forward_stages`) from the T and A_qk the
+               forward kept: G, w, kg, qg (pallas_chunk_wy), the chunk states h and v_new
     stage 2'   pallas_chunk_state_bwd   the state pass in reverse: dh per chunk, dv_new, d initial state
     stage 1'   pallas_chunk_grad        the chunk-local gradients, dA_qk and dA_kk (per chunk)
-    stage 1a'  pallas_chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)
+    stage 1''  pallas_chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)
     stage 0'   pallas_chunk_cumsum      dg from dG, a suffix sum within each chunk
 
 then (XLA) the sums over the value heads of a key head, the L2 norm's and the scale's backward.
@@ -52,7 +52,7 @@ def kda_chunk_bwd(
 ) -> tuple[jax.Array, ...]:
     """The cotangents (dq, dk, dv, dg, dbeta, d initial state) of `kda_chunk_fwd`'s (o, final state);
     each in its input's dtype (d initial state None when the initial state is None). `segments` as
-    in `kda_chunk_fwd`; `solved`: the forward's stage 1a outputs (recomputed when None)."""
+    in `kda_chunk_fwd`; `solved`: the forward's T and A_qk (recomputed when None)."""
     length, heads, dk = q.shape[1], q.shape[2], q.shape[3]
     dv = v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)

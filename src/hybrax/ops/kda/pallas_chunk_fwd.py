@@ -1,8 +1,9 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the stages end to end.
 
     stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
-    stage 1a pallas_chunk_solve     A_kk, A_qk from 16x16 block matmuls, T = (I + A_kk)^-1 (per chunk)
-    stage 1b pallas_chunk_wy        w, u (the WY form), kg, qg, the chunk's decay (per chunk)
+    stage 1  pallas_chunk_intra     A_kk, A_qk, T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and
+                                    the chunk's decay (per chunk; the backward, which keeps T and A_qk,
+                                    recomputes the rest with pallas_chunk_wy)
     stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks
     stage 3  pallas_chunk_output    o = qg h + A_qk v_new (per chunk)
 
@@ -22,7 +23,7 @@ from jaxtyping import Array, Float
 
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
-from hybrax.ops.kda.pallas_chunk_solve import chunk_solve
+from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.xla_scan import l2_normalize
@@ -100,7 +101,7 @@ class Stages(NamedTuple):
 
 
 class Solved(NamedTuple):
-    """Stage 1a's outputs, [B, T, HV, C] each (padded): what the backward keeps from the forward."""
+    """T and A_qk from stage 1, [B, T, HV, C] each (padded): what the backward keeps from the forward."""
 
     inverse: jax.Array
     aqk: jax.Array
@@ -110,13 +111,16 @@ def forward_stages(
     x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None, *,
     chunk: int, block_v: int = 32, state_warps: int = 4, interpret: bool = False,
 ) -> Stages:
-    """The stages on padded inputs, with q and k already through `prepare_qk` (stage 1a skipped when
-    its outputs are given)."""
+    """The stages on padded inputs, with q and k already through `prepare_qk` (given T and A_qk, stage
+    1 only recomputes the WY form)."""
     g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
     if solved is None:
-        solved = Solved(*chunk_solve(q, k, g, x.beta, chunk=chunk, interpret=interpret))
+        scores, wy = chunk_intra(q, k, x.v, g, x.beta, chunk=chunk, interpret=interpret)
+        solved = Solved(*scores)
+    else:
+        wy = chunk_wy(q, k, x.v, g, x.beta, solved.inverse, chunk=chunk, interpret=interpret)
     inverse, aqk = solved
-    w, u, kg, qg, decay = chunk_wy(q, k, x.v, g, x.beta, inverse, chunk=chunk, interpret=interpret)
+    w, u, kg, qg, decay = wy
     h, v_new, final_state = chunk_state(
         w, u, kg, decay, x.initial_state, segments, chunk=chunk, block_v=block_v, num_warps=state_warps,
         interpret=interpret,
@@ -150,8 +154,8 @@ def kda_chunk_fwd_solved(
     state_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"], Solved]:
-    """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and stage 1a's
-    outputs (T and A_qk, padded), which the backward takes instead of recomputing them.
+    """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and T and A_qk
+    (padded), which the backward takes instead of recomputing them.
 
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the

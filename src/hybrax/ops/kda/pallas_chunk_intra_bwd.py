@@ -8,7 +8,7 @@ D = dA_kk (j < i), A_qk[i, j] = sum_c q_ic k_jc E_ijc and A_kk[i, j] = beta_i su
     dq = Y_q,  dk = beta Y_k + Z,  dbeta = sum_c k Y_k,  dG = q Y_q + beta k Y_k - k Z
 
 Each 16x16 block (a, b), b <= a, is a pair of matmuls with exp(G_i - G_j) split at r, the first row
-of sub-chunk a, as in the forward's `pallas_chunk_solve` (and, there too, a diagonal block of a steep
+of sub-chunk a, as in the forward's `pallas_chunk_intra` (and, there too, a diagonal block of a steep
 sub-chunk is taken column by column from exp(min(G_i - G_j, 0))). The K axis is taken in slices of
 `block_k`; each slice's rows of dq, dk, dG are final when its pass ends.
 """
@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_solve import STEEP
+from hybrax.ops.kda.pallas_chunk_intra import STEEP
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision, sub_column,
 )

@@ -1,8 +1,9 @@
-"""KDA chunked forward, stage 1c (Pallas, Triton lowering): the WY form and the decayed keys and queries.
+"""KDA chunked backward's recompute of stage 1b (Pallas, Triton lowering): the WY form and the decayed
+keys and queries from a stored T. The forward computes them inside `pallas_chunk_intra`.
 
-One program per (chunk, value head, batch), whole-chunk tiles and two [C, C] x [C, K | V] matmuls:
+One program per (chunk, value head, batch), [C, C] x [C, K | V] matmuls:
 
-    w  = T (beta k exp(G)),  u = T (beta v)         T = (I + A_kk)^-1 from stage 1b
+    w  = T (beta k exp(G)),  u = T (beta v)         T = (I + A_kk)^-1
     kg = k exp(G_last - G)                          keys decayed to the chunk's end (state update)
     qg = q exp(G)                                   queries decayed from the chunk's start (output)
     decay = exp(G_last)                             the chunk's total per-channel decay
@@ -14,27 +15,60 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_settings, mm
 
 
-def _wy_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
-    *, compute_dtype, precision,
-):
+def write_wy(
+    inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
+    *, block_k: int, block_v: int, compute_dtype, precision,
+) -> None:
+    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse`, fp32 [C, C]), K and V taken in
+    slices of `block_k` and `block_v` columns."""
     chunk = q_ref.shape[0]
-    gates = g_ref[...]
-    last = g_ref[chunk - 1, :]
-    decay_ref[...] = jnp.exp(last)
     betas = beta_ref[...].astype(jnp.float32)[:, None]
-    inverse = inverse_ref[...]
-    keys = k_ref[...].astype(jnp.float32)
-    w_ref[...] = mm(inverse, keys * betas * jnp.exp(gates), compute_dtype, precision).astype(w_ref.dtype)
-    u_ref[...] = mm(inverse, v_ref[...].astype(jnp.float32) * betas, compute_dtype, precision).astype(u_ref.dtype)
-    kg_ref[...] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
-    qg_ref[...] = (q_ref[...].astype(jnp.float32) * jnp.exp(gates)).astype(qg_ref.dtype)
+
+    def keys_slice(index, carry):
+        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        gates = g_ref[:, cols]
+        last = g_ref[chunk - 1, cols]
+        keys = k_ref[:, cols].astype(jnp.float32)
+        w_ref[:, cols] = mm(inverse, keys * betas * jnp.exp(gates), compute_dtype, precision).astype(w_ref.dtype)
+        kg_ref[:, cols] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
+        qg_ref[:, cols] = (q_ref[:, cols].astype(jnp.float32) * jnp.exp(gates)).astype(qg_ref.dtype)
+        decay_ref[cols] = jnp.exp(last)
+        return carry
+
+    def values_slice(index, carry):
+        cols = pl.ds(pl.multiple_of(index * block_v, block_v), block_v)
+        values = v_ref[:, cols].astype(jnp.float32)
+        u_ref[:, cols] = mm(inverse, values * betas, compute_dtype, precision).astype(u_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, q_ref.shape[1] // block_k, keys_slice, 0)
+    lax.fori_loop(0, v_ref.shape[1] // block_v, values_slice, 0)
+
+
+def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
+    """Out specs and shapes of w, u, kg, qg [B, T, HV, K | V] (q's dtype) and decay [B, T/C, HV, K] (fp32)."""
+    batch, length, _, dk = q.shape
+    value_heads, dv = v.shape[2:]
+    tokens = (batch, length, value_heads)
+    specs = [chunk_rows_spec(chunk, width) for width in (dk, dv, dk, dk)]
+    specs.append(pl.BlockSpec((None, None, None, dk), lambda t, h, b: (b, t, h, 0)))
+    shapes = [jax.ShapeDtypeStruct((*tokens, width), q.dtype) for width in (dk, dv, dk, dk)]
+    shapes.append(jax.ShapeDtypeStruct((batch, length // chunk, value_heads, dk), jnp.float32))
+    return specs, shapes
+
+
+def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
+    write_wy(
+        inverse_ref[...].astype(jnp.float32), q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
+        block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype, precision=precision,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "interpret"))
@@ -46,33 +80,17 @@ def chunk_wy(
 
     Returns w, kg, qg [B, T, HV, K]; u [B, T, HV, V] (the inputs' dtype); decay [B, T/chunk, HV, K] fp32.
     """
-    batch, length, heads, dk = q.shape
-    dv, value_heads = v.shape[3], v.shape[2]
-    group = value_heads // heads
+    dk, dv = q.shape[3], v.shape[3]
+    group = v.shape[2] // q.shape[2]
     compute_dtype, precision = dot_settings(q.dtype, interpret)
-
-    def rows_spec(width, group=1):
-        return chunk_rows_spec(chunk, width, group)
-
-    token_shape = (batch, length, value_heads)
+    rows = functools.partial(chunk_rows_spec, chunk)
+    out_specs, out_shape = wy_specs(chunk, q, v)
     return pl.pallas_call(
         functools.partial(_wy_kernel, compute_dtype=compute_dtype, precision=precision),
-        grid=(length // chunk, value_heads, batch),
-        in_specs=[
-            rows_spec(dk, group), rows_spec(dk, group), rows_spec(dv), rows_spec(dk), chunk_column_spec(chunk),
-            rows_spec(chunk),
-        ],
-        out_specs=[
-            rows_spec(dk), rows_spec(dv), rows_spec(dk), rows_spec(dk),
-            pl.BlockSpec((None, None, None, dk), lambda t, h, b: (b, t, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((*token_shape, dk), q.dtype),  # w
-            jax.ShapeDtypeStruct((*token_shape, dv), q.dtype),  # u
-            jax.ShapeDtypeStruct((*token_shape, dk), q.dtype),  # kg
-            jax.ShapeDtypeStruct((*token_shape, dk), q.dtype),  # qg
-            jax.ShapeDtypeStruct((batch, length // chunk, value_heads, dk), jnp.float32),  # decay
-        ],
+        grid=(q.shape[1] // chunk, v.shape[2], q.shape[0]),
+        in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk), rows(chunk)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_chunk_wy",

@@ -1,0 +1,157 @@
+"""KDA chunked forward, stage 1 (Pallas, Triton lowering): everything within a chunk, in one kernel.
+
+One program per (chunk, value head, batch). With G the chunk-local cumulative log decay,
+
+    A_kk[i, j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)   (j < i)    ->  T = (I + A_kk)^-1 is stored
+    A_qk[i, j] =        sum_c q_ic k_jc exp(G_ic - G_jc)   (j <= i)   ->  stored
+
+and then, from T in registers, the WY form and the decayed keys and queries (`pallas_chunk_wy.write_wy`).
+
+A_kk and A_qk are built whole ([C, C]) from one masked matmul per 16-row sub-chunk a and K slice: the
+factor exp(G_i - G_j) splits at r, the first row of a, into exp(G_i - G_r) <= 1 (rows of a, zeros
+elsewhere) and exp(G_r - G_j) (every row). Below a's diagonal block (j < r) the second factor is <= 1
+too; on it, it is >= 1 and bounded by the sub-chunk's own decay exp(G_r - G_last). Where that exceeds
+exp(STEEP) in some channel (gates of -1000), the diagonal blocks are recomputed column by column from
+exp(min(G_i - G_j, 0)), so the kernel never overflows and very negative gates underflow to exactly 0.
+Three quarters of each dot's left operand is zeros: on the H200 the tensor cores absorb that, and this
+took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
+(1, 8192, 32, 128) bf16 (BENCHMARKS.md). T follows by doubling on the whole tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
+from hybrax.ops.kda.pallas_tiles import (
+    SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, solve_precision,
+)
+
+# The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
+# as a matmul: exp(60) = 1e26 keeps the factors and their products far from fp32's limits (3e38).
+STEEP = 60.0
+
+
+def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
+    """(I + L)^-1 for a strictly lower n x n L (n a power of two), log2(n) doubling rounds: with X the
+    inverse of the block diagonal of size s, [[A, 0], [L21, B]]^-1 = X - X L_s X (L_s: the L21 blocks)."""
+    n = strict_lower.shape[0]
+    rows, cols = index_grid(n)
+    inverse = (rows == cols).astype(jnp.float32)
+    size = 1
+    while size < n:
+        link = ((rows // (2 * size)) == (cols // (2 * size))) & ((rows // size) > (cols // size))
+        coupling = mm(jnp.where(link, strict_lower, 0.0), inverse, jnp.float32, precision)
+        inverse = inverse - mm(inverse, coupling, jnp.float32, precision)
+        size *= 2
+    return inverse
+
+
+def steep_chunk(g_ref) -> jax.Array:
+    """Whether some sub-chunk of the chunk decays by more than exp(STEEP) in some channel."""
+    return functools.reduce(jnp.logical_or, [
+        jnp.max(g_ref[a * SUB, :] - g_ref[a * SUB + SUB - 1, :]) > STEEP for a in range(g_ref.shape[0] // SUB)
+    ])
+
+
+def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
+    """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
+    (the min only touches entries above the diagonal, which callers drop)."""
+    keys, queries, gates = (ref[...].astype(jnp.float32) for ref in (k_ref, q_ref, g_ref))
+    _, cols = index_grid(q_ref.shape[0])
+
+    def column(j, scores):
+        akk, aqk = scores
+        decayed = k_ref[j, :].astype(jnp.float32)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[j, :][None, :], 0.0))
+        akk = jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], akk)
+        aqk = jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], aqk)
+        return akk, aqk
+
+    zeros = jnp.zeros((q_ref.shape[0],) * 2, jnp.float32)
+    return lax.fori_loop(0, q_ref.shape[0], column, (zeros, zeros))
+
+
+def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
+    """Unscaled A_kk and A_qk [C, C] from the split exponent, K in slices of `block_k` (diagonal blocks
+    of steep sub-chunks clamped: callers replace them)."""
+    chunk, dk = q_ref.shape
+
+    def accumulate(index, scores):
+        akk, aqk = scores
+        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        gates = g_ref[:, cols]
+        keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
+        sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
+        for a in range(chunk // SUB):
+            start = g_ref[a * SUB, cols][None, :]
+            in_a = sub_chunk == a
+            to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
+            right = keys * jnp.exp(jnp.minimum(start - gates, STEEP))
+            akk = akk + mm_t(keys * to_start, right, jnp.float32, precision)
+            aqk = aqk + mm_t(queries * to_start, right, jnp.float32, precision)
+        return akk, aqk
+
+    zeros = jnp.zeros((chunk, chunk), jnp.float32)
+    return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
+
+
+def _intra_kernel(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
+    block_k: int, block_v: int, precision, compute_dtype, wy_precision,
+):
+    rows, cols = index_grid(q_ref.shape[0])
+    akk, aqk = _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
+    exact_kk, exact_qk = lax.cond(steep_chunk(g_ref), lambda: _exact_scores(q_ref, k_ref, g_ref), lambda: (akk, aqk))
+    diagonal = (rows // SUB) == (cols // SUB)
+    akk, aqk = jnp.where(diagonal, exact_kk, akk), jnp.where(diagonal, exact_qk, aqk)
+    betas = beta_ref[...].astype(jnp.float32)[:, None]
+    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * betas, 0.0), precision)
+    inverse_ref[...] = inverse.astype(inverse_ref.dtype)
+    aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)
+    write_wy(
+        inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
+        block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "interpret"))
+def chunk_intra(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, interpret: bool = False,
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
+    """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
+    log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
+    multiple of H.
+
+    Returns (T = (I + A_kk)^-1, A_qk), each [B, T, HV, chunk] (row t: row t % chunk of its chunk's
+    matrix, zeros above the diagonal), and `chunk_wy`'s (w, u, kg, qg, decay), in the inputs' dtype
+    (decay fp32).
+    """
+    dk, dv = q.shape[3], v.shape[3]
+    batch, length, value_heads = v.shape[:3]
+    group = value_heads // q.shape[2]
+    compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
+    kernel = functools.partial(
+        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
+        precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
+    )
+    rows = functools.partial(chunk_rows_spec, chunk)
+    wy_out_specs, wy_out_shape = wy_specs(chunk, q, v)
+    square = jax.ShapeDtypeStruct((batch, length, value_heads, chunk), q.dtype)
+    inverse, aqk, *wy = pl.pallas_call(
+        kernel,
+        grid=(length // chunk, value_heads, batch),
+        in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk)],
+        out_specs=[rows(chunk), rows(chunk), *wy_out_specs],
+        out_shape=[square, square, *wy_out_shape],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_chunk_intra",
+    )(q, k, v, g, beta)
+    return (inverse, aqk), tuple(wy)
