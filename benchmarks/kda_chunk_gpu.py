@@ -163,8 +163,8 @@ def staged(row: dict, name: str, fn, *args):
 # Launch settings tried per kernel with --sweep (the first of each is the pipeline's default).
 INTRA_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k16w4": dict(block_k=16, num_warps=4),
                   "k32v32w4": dict(block_k=32, block_v=32, num_warps=4), "k32w2": dict(block_k=32, num_warps=2)}
-INTRA_BWD_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k16w2": dict(block_k=16, num_warps=2),
-                      "k16w4": dict(block_k=16, num_warps=4), "k32w2": dict(block_k=32, num_warps=2)}
+INTRA_BWD_VARIANTS = {"k16w4": dict(block_k=16, num_warps=4), "k32w4": dict(block_k=32, num_warps=4),
+                      "k16w8": dict(block_k=16, num_warps=8)}
 GRAD_VARIANTS = {"k32v64w4": dict(block_k=32, block_v=64, num_warps=4),
                  "k64v64w8": dict(block_k=64, block_v=64, num_warps=8),
                  "k64v64w4": dict(block_k=64, block_v=64, num_warps=4),

@@ -7,10 +7,13 @@ D = dA_kk (j < i), A_qk[i, j] = sum_c q_ic k_jc E_ijc and A_kk[i, j] = beta_i su
     column     Z[j]   = sum_i (P_ij q_i + beta_i D_ij k_i) E_ij
     dq = Y_q,  dk = beta Y_k + Z,  dbeta = sum_c k Y_k,  dG = q Y_q + beta k Y_k - k Z
 
-Each 16x16 block (a, b), b <= a, is a pair of matmuls with exp(G_i - G_j) split at r, the first row
-of sub-chunk a, as in the forward's `pallas_chunk_intra` (and, there too, a diagonal block of a steep
-sub-chunk is taken column by column from exp(min(G_i - G_j, 0))). The K axis is taken in slices of
-`block_k`; each slice's rows of dq, dk, dG are final when its pass ends.
+Taken from whole [C, C] tiles, as the forward's `pallas_chunk_intra` builds them: per K slice and per
+sub-chunk a (16 rows), the rows of a against every column in [C, C] x [C, BK] dots, with
+exp(G_i - G_j) split at a's first row r (exp(G_i - G_r) on the rows, exp(G_r - G_j) on the columns;
+rows outside a are dropped by the row factor, zero there). A chunk with a steep sub-chunk (decay above
+STEEP within 16 rows: the split factors would overflow) takes its diagonal blocks column by column from
+exp(min(G_i - G_j, 0)) instead. Each K slice's rows of dq, dk, dG are final when its pass ends. On the
+H200 at (1, 8192, 32, 128) this took 1.245 ms against 1.346 for 16x16 block pairs (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -25,98 +28,82 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_intra import STEEP
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision, sub_column,
+    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision,
 )
 
 
-def _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, first: int, cols):
-    """The diagonal block's (Y_q, Y_k, Z) column by column (p, d, r = beta D: its [16, 16] blocks)."""
-    _, columns = index_grid(SUB)
-    rows = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+def _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k, diagonal):
+    """(Y_q, Y_k, Z) of the diagonal blocks only, column by column from exp(min(G_i - G_j, 0))."""
+    chunk = p.shape[0]
+    _, columns = index_grid(chunk)
+    rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
 
     def column(j, sums):
         y_q, y_k, z = sums
-        decay = jnp.exp(jnp.minimum(gates - g_ref[first + j, cols][None, :], 0.0))
-        decayed_key = k_ref[first + j, cols].astype(jnp.float32)[None, :] * decay
-        pick = columns == j
-        p_column = jnp.sum(jnp.where(pick, p, 0.0), axis=1)[:, None]
-        d_column = jnp.sum(jnp.where(pick, d, 0.0), axis=1)[:, None]
-        r_column = jnp.sum(jnp.where(pick, r, 0.0), axis=1)[:, None]
+        pick = (columns == j) & diagonal
+        decay = jnp.exp(jnp.minimum(gates - g_ref[j, slice_k][None, :], 0.0))
+        decayed_key = k_ref[j, slice_k].astype(jnp.float32)[None, :] * decay
+        p_column, d_column, r_column = (jnp.sum(jnp.where(pick, x, 0.0), axis=1)[:, None] for x in (p, d, r))
         z_row = jnp.sum((p_column * queries + r_column * keys) * decay, axis=0)
         return y_q + p_column * decayed_key, y_k + d_column * decayed_key, jnp.where(rows == j, z_row[None, :], z)
 
     zeros = jnp.zeros(gates.shape, jnp.float32)
-    return lax.fori_loop(0, SUB, column, (zeros, zeros, zeros))
+    return lax.fori_loop(0, chunk, column, (zeros, zeros, zeros))
 
 
 def _intra_bwd_kernel(
     q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, block_k, precision
 ):
-    n_sub = q_ref.shape[0] // SUB
-    block = lambda ref, a, b: ref[pl.ds(a * SUB, SUB), pl.ds(b * SUB, SUB)]  # noqa: E731
-    betas = [sub_column(beta_ref, a) for a in range(n_sub)]
-    steep = [jnp.max(g_ref[a * SUB, :] - g_ref[a * SUB + SUB - 1, :]) > STEEP for a in range(n_sub)]
+    chunk = q_ref.shape[0]
+    n_sub = chunk // SUB
+    rows, cols = index_grid(chunk)
+    diagonal = (rows // SUB) == (cols // SUB)
+    steep = functools.reduce(
+        jnp.logical_or, [jnp.max(g_ref[a * SUB, :] - g_ref[a * SUB + SUB - 1, :]) > STEEP for a in range(n_sub)]
+    )
+    betas = beta_ref[...].astype(jnp.float32)[:, None]
+    p, d = daqk_ref[...], dakk_ref[...]
+    r = d * betas
+    # In a steep chunk the diagonal blocks leave the factored dots (their clamped factors are wrong there).
+    p_off, d_off, r_off = (jnp.where(steep & diagonal, 0.0, x) for x in (p, d, r))
 
-    def slice_pass(index, dbetas):
-        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        load = lambda ref, a: ref[pl.ds(a * SUB, SUB), cols].astype(jnp.float32)  # noqa: E731
-        queries = [load(q_ref, a) for a in range(n_sub)]
-        keys = [load(k_ref, a) for a in range(n_sub)]
-        gates = [load(g_ref, a) for a in range(n_sub)]
-        zeros = jnp.zeros(gates[0].shape, jnp.float32)
-        y_q, y_k, z = [zeros] * n_sub, [zeros] * n_sub, [zeros] * n_sub
+    def slice_pass(index, dbeta):
+        slice_k = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        gates = g_ref[:, slice_k]
+        queries, keys = q_ref[:, slice_k].astype(jnp.float32), k_ref[:, slice_k].astype(jnp.float32)
+        sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
+        zeros = jnp.zeros(gates.shape, jnp.float32)
+        y_q, y_k, z = zeros, zeros, zeros
         for a in range(n_sub):
-            start = g_ref[a * SUB, cols][None, :]
-            to_start = jnp.exp(gates[a] - start)
-            left_q, left_k = queries[a] * to_start, keys[a] * to_start
-            row_q, row_k = zeros, zeros
-            for b in range(a + 1):
-                p, d = block(daqk_ref, a, b), block(dakk_ref, a, b)
-                r = d * betas[a]
-                # On the diagonal the exponent is >= 0; the clamp keeps a steep sub-chunk finite.
-                from_start = jnp.exp(jnp.minimum(start - gates[b], STEEP))
-                right = keys[b] * from_start
+            start = g_ref[a * SUB, slice_k][None, :]
+            in_a = sub_chunk == a
+            # Zero outside sub-chunk a, so the [C, C] dots' other rows drop out without masked copies.
+            to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
+            # On the diagonal the exponent is >= 0; the clamp keeps a steep sub-chunk finite.
+            from_start = jnp.exp(jnp.minimum(start - gates, STEEP))
+            right = keys * from_start
+            y_q = y_q + jnp.where(in_a, mm(p_off, right, jnp.float32, precision), 0.0) * to_start
+            y_k = y_k + jnp.where(in_a, mm(d_off, right, jnp.float32, precision), 0.0) * to_start
+            column = mm_tn(p_off, queries * to_start, jnp.float32, precision)
+            z = z + (column + mm_tn(r_off, keys * to_start, jnp.float32, precision)) * from_start
+        exact = lax.cond(
+            steep,
+            lambda: _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k, diagonal),
+            lambda: (zeros, zeros, zeros),
+        )
+        y_q, y_k, z = y_q + exact[0], y_k + exact[1], z + exact[2]
+        dq_ref[:, slice_k] = y_q
+        dk_ref[:, slice_k] = betas * y_k + z
+        dg_ref[:, slice_k] = queries * y_q + betas * keys * y_k - keys * z
+        return dbeta + jnp.sum(keys * y_k, axis=1)
 
-                def factored(p=p, d=d, r=r, right=right, from_start=from_start):
-                    column = mm_tn(p, left_q, jnp.float32, precision) + mm_tn(r, left_k, jnp.float32, precision)
-                    return (
-                        mm(p, right, jnp.float32, precision) * to_start,
-                        mm(d, right, jnp.float32, precision) * to_start,
-                        column * from_start,
-                    )
-
-                if b < a:
-                    terms = factored()
-                else:
-                    terms = lax.cond(
-                        steep[a],
-                        lambda p=p, d=d, r=r: _exact_diagonal(
-                            p, d, r, queries[a], keys[a], gates[a], k_ref, g_ref, a * SUB, cols
-                        ),
-                        factored,
-                    )
-                row_q, row_k = row_q + terms[0], row_k + terms[1]
-                z[b] = z[b] + terms[2]
-            y_q[a], y_k[a] = row_q, row_k
-        new_dbetas = []
-        for a in range(n_sub):
-            rows = pl.ds(a * SUB, SUB)
-            dq_ref[rows, cols] = y_q[a]
-            dk_ref[rows, cols] = betas[a] * y_k[a] + z[a]
-            dg_ref[rows, cols] = queries[a] * y_q[a] + betas[a] * keys[a] * y_k[a] - keys[a] * z[a]
-            new_dbetas.append(dbetas[a] + jnp.sum(keys[a] * y_k[a], axis=1))
-        return tuple(new_dbetas)
-
-    zeros = tuple(jnp.zeros((SUB,), jnp.float32) for _ in range(n_sub))
-    dbetas = lax.fori_loop(0, q_ref.shape[1] // block_k, slice_pass, zeros)
-    for a in range(n_sub):
-        dbeta_ref[pl.ds(a * SUB, SUB)] = dbetas[a]
+    dbeta_ref[...] = lax.fori_loop(0, q_ref.shape[1] // block_k, slice_pass, jnp.zeros((chunk,), jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "interpret"))
 def chunk_intra_bwd(
     q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, daqk: jax.Array, dakk: jax.Array, *,
-    chunk: int = 64, block_k: int = 32, num_warps: int = 4, interpret: bool = False,
+    chunk: int = 64, block_k: int = 16, num_warps: int = 4, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, K] (prepared); g [B, T, HV, K] (G, fp32); beta [B, T, HV]; dA_qk, dA_kk
     [B, T, HV, chunk] fp32 (masked).

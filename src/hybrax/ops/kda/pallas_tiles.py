@@ -75,13 +75,3 @@ def chunk_state_spec(dk: int, dv: int) -> pl.BlockSpec:
 def index_grid(n: int) -> tuple[jax.Array, jax.Array]:
     """Row and column indices of an n x n tile."""
     return lax.broadcasted_iota(jnp.int32, (n, n), 0), lax.broadcasted_iota(jnp.int32, (n, n), 1)
-
-
-def sub_tile(ref, a: int) -> jax.Array:
-    """Rows of sub-chunk `a` of a [C, width] ref, in fp32."""
-    return ref[pl.ds(a * SUB, SUB), :].astype(jnp.float32)
-
-
-def sub_column(ref, a: int) -> jax.Array:
-    """Rows of sub-chunk `a` of a [C] ref as an fp32 column [SUB, 1]."""
-    return ref[pl.ds(a * SUB, SUB)].astype(jnp.float32)[:, None]
