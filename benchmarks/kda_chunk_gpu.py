@@ -287,10 +287,11 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
+    default = lambda kernel, variants: f"{kernel}_{next(iter(variants))}_ms"  # noqa: E731
     columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
-               "prepare_ms", "intra_k32w4_ms", "state_v32w4_ms", "output_ms", "state_bwd_ms",
-               "grad_k32v64w4_ms", "intra_bwd_k32w4_ms", "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio",
-               "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB", "error"]
+               "prepare_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS), "output_ms",
+               "state_bwd_ms", default("grad", GRAD_VARIANTS), default("intra_bwd", INTRA_BWD_VARIANTS),
+               "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:
         variants = [name for name in row if name.startswith(("intra_", "state", "grad_"))]
