@@ -60,6 +60,16 @@ def steep_chunk(g_ref) -> jax.Array:
     ])
 
 
+def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, jax.Array]:
+    """exp(G_i - G_j) split at r, the first row of sub-chunk a, for the [C, BK] gates of one K slice:
+    exp(G_i - G_r) on the rows of a (zeros elsewhere, so a [C, C] dot keeps only a's rows) and
+    exp(G_r - G_j) on every row, clamped at exp(STEEP) (above it only on a steep diagonal block)."""
+    start = g_ref[a * SUB, slice_k][None, :]
+    in_a = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB == a
+    to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
+    return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
+
+
 def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
     (the min only touches entries above the diagonal, which callers drop)."""
@@ -87,12 +97,9 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, cols]
         keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
-        sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
         for a in range(chunk // SUB):
-            start = g_ref[a * SUB, cols][None, :]
-            in_a = sub_chunk == a
-            to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
-            right = keys * jnp.exp(jnp.minimum(start - gates, STEEP))
+            to_start, from_start = split_decay(g_ref, gates, cols, a)
+            right = keys * from_start
             akk = akk + mm_t(keys * to_start, right, jnp.float32, precision)
             aqk = aqk + mm_t(queries * to_start, right, jnp.float32, precision)
         return akk, aqk

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_intra import STEEP
+from hybrax.ops.kda.pallas_chunk_intra import split_decay, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision,
 )
@@ -58,9 +58,7 @@ def _intra_bwd_kernel(
     n_sub = chunk // SUB
     rows, cols = index_grid(chunk)
     diagonal = (rows // SUB) == (cols // SUB)
-    steep = functools.reduce(
-        jnp.logical_or, [jnp.max(g_ref[a * SUB, :] - g_ref[a * SUB + SUB - 1, :]) > STEEP for a in range(n_sub)]
-    )
+    steep = steep_chunk(g_ref)
     betas = beta_ref[...].astype(jnp.float32)[:, None]
     p, d = daqk_ref[...], dakk_ref[...]
     r = d * betas
@@ -75,12 +73,8 @@ def _intra_bwd_kernel(
         zeros = jnp.zeros(gates.shape, jnp.float32)
         y_q, y_k, z = zeros, zeros, zeros
         for a in range(n_sub):
-            start = g_ref[a * SUB, slice_k][None, :]
             in_a = sub_chunk == a
-            # Zero outside sub-chunk a, so the [C, C] dots' other rows drop out without masked copies.
-            to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
-            # On the diagonal the exponent is >= 0; the clamp keeps a steep sub-chunk finite.
-            from_start = jnp.exp(jnp.minimum(start - gates, STEEP))
+            to_start, from_start = split_decay(g_ref, gates, slice_k, a)
             right = keys * from_start
             y_q = y_q + jnp.where(in_a, mm(p_off, right, jnp.float32, precision), 0.0) * to_start
             y_k = y_k + jnp.where(in_a, mm(d_off, right, jnp.float32, precision), 0.0) * to_start

@@ -1,5 +1,5 @@
-"""KDA chunked backward's recompute of stage 1b (Pallas, Triton lowering): the WY form and the decayed
-keys and queries from a stored T. The forward computes them inside `pallas_chunk_intra`.
+"""KDA chunked backward's recompute of stage 1's second half (Pallas, Triton lowering): the WY form and
+the decayed keys and queries from a stored T. The forward computes them inside `pallas_chunk_intra`.
 
 One program per (chunk, value head, batch), [C, C] x [C, K | V] matmuls:
 

@@ -3,9 +3,9 @@
 
 The backward keeps the forward's inputs, T = (I + A_kk)^-1 and A_qk (2 x [B, T, HV, 64] in the
 input dtype: the most expensive stage to recompute, the cheapest to keep) and recomputes the other
-chunk-local terms and the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens) are laid out as XLA
-chunked lays them out (`xla_chunked.packed_layout`: each sequence from a chunk boundary, tokens
-scattered there and gathered back), and the state kernels restart per sequence. Not supported
+chunk-local terms and the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens)
+are laid out as XLA chunked lays them out (`xla_chunked.packed_layout`: each sequence from a chunk
+boundary, tokens scattered there and gathered back), and the state kernels restart per sequence. Not supported
 (`auto` then picks XLA): K or V above 256.
 """
 
