@@ -57,10 +57,8 @@ def kda_chunk_bwd(
     dv = v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
     normalized, normalize_vjp = jax.vjp(lambda q, k: normalize_qk(q, k, scale, l2_normalize), x.q, x.k)
-    qn, kn = (y.astype(x.q.dtype) for y in normalized)  # = prepare_qk, which forward_stages's recompute reads
-    s = forward_stages(
-        x, segments, solved, scale=scale, normalize=l2_normalize, chunk=chunk, interpret=interpret
-    )
+    qn, kn = (y.astype(x.q.dtype) for y in normalized)  # as the forward's kernels read them
+    s = forward_stages(x, qn, kn, segments, solved, chunk=chunk, interpret=interpret)
     d_out = pad_to(d_out.astype(x.v.dtype), {1: x.v.shape[1], 3: x.v.shape[3]})
     d_final = pad_to(d_final.astype(jnp.float32), {2: x.k.shape[3], 3: x.v.shape[3]})
 

@@ -1,10 +1,9 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G
-    stage 1  pallas_chunk_intra     q, k L2-normalized and q scaled as they are read, A_kk, A_qk,
-                                    T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and the chunk's
-                                    decay (per chunk; the backward, which keeps T and A_qk, recomputes
-                                    the rest with pallas_chunk_wy from q, k normalized by XLA)
+    stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
+    stage 1  pallas_chunk_intra     A_kk, A_qk, T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and
+                                    the chunk's decay (per chunk; the backward, which keeps T and A_qk,
+                                    recomputes the rest with pallas_chunk_wy)
     stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks
     stage 3  pallas_chunk_output    o = qg h + A_qk v_new (per chunk)
 
@@ -87,6 +86,8 @@ def pad_inputs(q, k, v, g, beta, initial_state, chunk: int) -> Padded:
 class Stages(NamedTuple):
     """What the forward's stages compute (padded shapes): the backward recomputes them."""
 
+    q: jax.Array  # [B, T, H, K] normalized, scaled
+    k: jax.Array  # [B, T, H, K] normalized
     g: jax.Array  # [B, T, HV, K] the chunk-local cumulative log decay G (fp32)
     inverse: jax.Array  # [B, T, HV, C] T = (I + A_kk)^-1
     aqk: jax.Array  # [B, T, HV, C]
@@ -107,19 +108,16 @@ class Solved(NamedTuple):
 
 
 def forward_stages(
-    x: Padded, segments: Segments | None = None, solved: Solved | None = None, *, scale: float, normalize: bool,
+    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None, *,
     chunk: int, block_v: int = 32, state_warps: int = 4, interpret: bool = False,
 ) -> Stages:
-    """The stages on padded inputs (given T and A_qk, stage 1 only recomputes the WY form, from q and k
-    through `prepare_qk`)."""
+    """The stages on padded inputs, with q and k already through `prepare_qk` (given T and A_qk, stage
+    1 only recomputes the WY form)."""
     g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
     if solved is None:
-        scores, wy = chunk_intra(
-            x.q, x.k, x.v, g, x.beta, scale=scale, normalize=normalize, chunk=chunk, interpret=interpret
-        )
+        scores, wy = chunk_intra(q, k, x.v, g, x.beta, chunk=chunk, interpret=interpret)
         solved = Solved(*scores)
     else:
-        q, k = prepare_qk(x.q, x.k, scale, normalize)
         wy = chunk_wy(q, k, x.v, g, x.beta, solved.inverse, chunk=chunk, interpret=interpret)
     inverse, aqk = solved
     w, u, kg, qg, decay = wy
@@ -127,7 +125,7 @@ def forward_stages(
         w, u, kg, decay, x.initial_state, segments, chunk=chunk, block_v=block_v, num_warps=state_warps,
         interpret=interpret,
     )
-    return Stages(g, inverse, aqk, w, kg, qg, decay, h, v_new, final_state)
+    return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new, final_state)
 
 
 def kda_chunk_fwd(*args, **kwargs) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
@@ -167,8 +165,8 @@ def kda_chunk_fwd_solved(
     length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
     s = forward_stages(
-        x, segments, scale=scale, normalize=l2_normalize, chunk=chunk, block_v=block_v, state_warps=state_warps,
-        interpret=interpret,
+        x, *prepare_qk(x.q, x.k, scale, l2_normalize), segments, chunk=chunk, block_v=block_v,
+        state_warps=state_warps, interpret=interpret,
     )
     o = chunk_output(s.qg, s.h, s.aqk, s.v_new, chunk=chunk, interpret=interpret)
     final_state = s.final_state

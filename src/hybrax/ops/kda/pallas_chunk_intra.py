@@ -6,7 +6,6 @@ One program per (chunk, value head, batch). With G the chunk-local cumulative lo
     A_qk[i, j] =        sum_c q_ic k_jc exp(G_ic - G_jc)   (j <= i)   ->  stored
 
 and then, from T in registers, the WY form and the decayed keys and queries (`pallas_chunk_wy.write_wy`).
-q and k come raw: their L2 norm and q's scale are applied as the kernel reads them (`ScaledRows`).
 
 A_kk and A_qk are built whole ([C, C]) from one masked matmul per 16-row sub-chunk a and K slice: the
 factor exp(G_i - G_j) splits at r, the first row of a, into exp(G_i - G_r) <= 1 (rows of a, zeros
@@ -31,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, ScaledRows, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, solve_precision,
+    SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, solve_precision,
 )
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
@@ -71,34 +70,33 @@ def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, ja
     return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
 
 
-def _exact_scores(q: ScaledRows, k: ScaledRows, g_ref) -> tuple[jax.Array, jax.Array]:
+def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
     (the min only touches entries above the diagonal, which callers drop)."""
-    keys, queries, gates = k.all(), q.all(), g_ref[...]
-    chunk = gates.shape[0]
-    _, cols = index_grid(chunk)
+    keys, queries, gates = (ref[...].astype(jnp.float32) for ref in (k_ref, q_ref, g_ref))
+    _, cols = index_grid(q_ref.shape[0])
 
     def column(j, scores):
         akk, aqk = scores
-        decayed = k.row(j)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[j, :][None, :], 0.0))
+        decayed = k_ref[j, :].astype(jnp.float32)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[j, :][None, :], 0.0))
         akk = jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], akk)
         aqk = jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], aqk)
         return akk, aqk
 
-    zeros = jnp.zeros((chunk, chunk), jnp.float32)
-    return lax.fori_loop(0, chunk, column, (zeros, zeros))
+    zeros = jnp.zeros((q_ref.shape[0],) * 2, jnp.float32)
+    return lax.fori_loop(0, q_ref.shape[0], column, (zeros, zeros))
 
 
-def _factored_scores(q: ScaledRows, k: ScaledRows, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
+def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] from the split exponent, K in slices of `block_k` (diagonal blocks
     of steep sub-chunks clamped: callers replace them)."""
-    chunk, dk = g_ref.shape
+    chunk, dk = q_ref.shape
 
     def accumulate(index, scores):
         akk, aqk = scores
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, cols]
-        keys, queries = k.columns(cols), q.columns(cols)
+        keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
         for a in range(chunk // SUB):
             to_start, from_start = split_decay(g_ref, gates, cols, a)
             right = keys * from_start
@@ -112,12 +110,11 @@ def _factored_scores(q: ScaledRows, k: ScaledRows, g_ref, *, block_k: int, preci
 
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
-    scale: float, normalize: bool, block_k: int, block_v: int, precision, compute_dtype, wy_precision,
+    block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
     rows, cols = index_grid(q_ref.shape[0])
-    q, k = ScaledRows.load(q_ref, scale, normalize), ScaledRows.load(k_ref, 1.0, normalize)
-    akk, aqk = _factored_scores(q, k, g_ref, block_k=block_k, precision=precision)
-    exact_kk, exact_qk = lax.cond(steep_chunk(g_ref), lambda: _exact_scores(q, k, g_ref), lambda: (akk, aqk))
+    akk, aqk = _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
+    exact_kk, exact_qk = lax.cond(steep_chunk(g_ref), lambda: _exact_scores(q_ref, k_ref, g_ref), lambda: (akk, aqk))
     diagonal = (rows // SUB) == (cols // SUB)
     akk, aqk = jnp.where(diagonal, exact_kk, akk), jnp.where(diagonal, exact_qk, aqk)
     betas = beta_ref[...].astype(jnp.float32)[:, None]
@@ -125,23 +122,19 @@ def _intra_kernel(
     inverse_ref[...] = inverse.astype(inverse_ref.dtype)
     aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)
     write_wy(
-        inverse, q, k, v_ref, g_ref, beta_ref, *wy_refs,
+        inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
         block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "normalize", "chunk", "block_k", "block_v", "num_warps", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "interpret"))
 def chunk_intra(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float = 1.0,
-    normalize: bool = False, chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4,
-    interpret: bool = False,
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
-    """q, k [B, T, H, K] as the caller has them: the kernel L2-normalizes them when `normalize` and
-    scales q by `scale` as it reads them (no pass of their own); v [B, T, HV, V]; g [B, T, HV, K]
-    chunk-local cumulative log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V
-    powers of two >= 16, HV a multiple of H.
+    """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
+    log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
+    multiple of H.
 
     Returns (T = (I + A_kk)^-1, A_qk), each [B, T, HV, chunk] (row t: row t % chunk of its chunk's
     matrix, zeros above the diagonal), and `chunk_wy`'s (w, u, kg, qg, decay), in the inputs' dtype
@@ -152,7 +145,7 @@ def chunk_intra(
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, scale=scale, normalize=normalize, block_k=min(block_k, dk), block_v=min(block_v, dv),
+        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
         precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)

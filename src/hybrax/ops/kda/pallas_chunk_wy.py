@@ -19,26 +19,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import ScaledRows, chunk_column_spec, chunk_rows_spec, dot_settings, mm
+from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_settings, mm
 
 
 def write_wy(
-    inverse, q: ScaledRows, k: ScaledRows, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
+    inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
     *, block_k: int, block_v: int, compute_dtype, precision,
 ) -> None:
     """Stores w, u, kg, qg and decay of one chunk from its T (`inverse`, fp32 [C, C]), K and V taken in
     slices of `block_k` and `block_v` columns."""
-    chunk, dk = g_ref.shape
+    chunk = q_ref.shape[0]
     betas = beta_ref[...].astype(jnp.float32)[:, None]
 
     def keys_slice(index, carry):
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, cols]
         last = g_ref[chunk - 1, cols]
-        keys = k.columns(cols)
+        keys = k_ref[:, cols].astype(jnp.float32)
         w_ref[:, cols] = mm(inverse, keys * betas * jnp.exp(gates), compute_dtype, precision).astype(w_ref.dtype)
         kg_ref[:, cols] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
-        qg_ref[:, cols] = (q.columns(cols) * jnp.exp(gates)).astype(qg_ref.dtype)
+        qg_ref[:, cols] = (q_ref[:, cols].astype(jnp.float32) * jnp.exp(gates)).astype(qg_ref.dtype)
         decay_ref[cols] = jnp.exp(last)
         return carry
 
@@ -48,7 +48,7 @@ def write_wy(
         u_ref[:, cols] = mm(inverse, values * betas, compute_dtype, precision).astype(u_ref.dtype)
         return carry
 
-    lax.fori_loop(0, dk // block_k, keys_slice, 0)
+    lax.fori_loop(0, q_ref.shape[1] // block_k, keys_slice, 0)
     lax.fori_loop(0, v_ref.shape[1] // block_v, values_slice, 0)
 
 
@@ -66,8 +66,7 @@ def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
 
 def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
     write_wy(
-        inverse_ref[...].astype(jnp.float32), ScaledRows.load(q_ref), ScaledRows.load(k_ref), v_ref, g_ref, beta_ref,
-        *out_refs,
+        inverse_ref[...].astype(jnp.float32), q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
         block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype, precision=precision,
     )
 

@@ -6,14 +6,10 @@ operations under iota masks, and rows are read from the kernel's refs instead.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-
-from hybrax.ops.kda.xla_scan import l2_factor
 
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
 EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding
@@ -58,33 +54,6 @@ def mm_tn(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
         a.astype(dtype), b.astype(dtype), (((0,), (0,)), ((), ())),
         precision=precision, preferred_element_type=jnp.float32,
     )
-
-
-class ScaledRows(NamedTuple):
-    """A chunk's [C, K] rows of q or k read in fp32 with the L2 norm (when `normalize`) and the scale
-    applied on load, so that no pass over the whole array has to store them normalized first."""
-
-    ref: Any
-    factor: jax.Array | float  # [C, 1]: scale / ||row|| (or the scale alone)
-    normalize: bool
-    scale: float
-
-    @classmethod
-    def load(cls, ref, scale: float = 1.0, normalize: bool = False) -> "ScaledRows":
-        factor = scale * l2_factor(ref[...].astype(jnp.float32)) if normalize else scale
-        return cls(ref, factor, normalize, scale)
-
-    def columns(self, cols) -> jax.Array:
-        """Rows [C, len(cols)] of the K columns `cols`."""
-        return self.ref[:, cols].astype(jnp.float32) * self.factor
-
-    def all(self) -> jax.Array:
-        return self.columns(slice(None))
-
-    def row(self, index) -> jax.Array:
-        """Row `index` [K] (its own factor: a tile cannot be indexed in registers)."""
-        x = self.ref[index, :].astype(jnp.float32)
-        return x * (self.scale * l2_factor(x) if self.normalize else self.scale)
 
 
 def chunk_rows_spec(chunk: int, width: int, group: int = 1) -> pl.BlockSpec:

@@ -18,13 +18,8 @@ from hybrax.ops.kda.reference import L2_EPS
 EXACT = lax.Precision.HIGHEST
 
 
-def l2_factor(x: jax.Array) -> jax.Array:
-    """1 / ||x|| along the last axis (kept, size 1), eps inside the root as fla."""
-    return lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
-
-
 def l2_normalize(x: jax.Array) -> jax.Array:
-    return x * l2_factor(x)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
 def value_head_qk(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
