@@ -1,16 +1,17 @@
 """KDA chunked forward on the H200: hybrax Pallas vs flash-linear-attention's Triton chunk_kda.
 
-Run on the GPU machine (fla-core 0.6.0 wheel carried in .whl/):
+Run on the GPU machine (fla-core 0.6.0 wheel, and for --tokamax tokamax's, carried in .whl/):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:src python3 benchmarks/kda_chunk_gpu.py
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:src:../shared/gpu/stubs python3 benchmarks/kda_chunk_gpu.py
 
 For every shape it checks correctness at full size (ours and fla against an fp32 recurrence on the
 same inputs), then times the forward of fla, ours (pallas:chunked) and our XLA chunked path, the
 Pallas kernels one by one (first `--stages` shapes), and forward+backward with peak memory
 (median of event-timed runs for torch, median over rounds of back-to-back jitted calls for JAX;
 ours through the public `kernel_delta_attention`); with the fp32 check also our gradients against
-our XLA chunked path's. fla autotunes ~80 s on its first call per head count: use --first, --shapes
+our XLA chunked path's. With --tokamax also tokamax's `kimi_delta_attention` (xla_chunked; its
+wheels and ../shared/gpu/stubs carried, see ../shared/gpu/README.md). fla autotunes ~80 s on its first call per head count: use --first, --shapes
 and the --no-* flags to fit a 10-minute call. A short table is printed last; the full numbers go to
 $OUT/kda_chunk_gpu.json when OUT is set.
 """
@@ -139,6 +140,45 @@ def ours_runners(platform: str, scale: float):
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
+# tokamax's KDA on a GPU: its xla_chunked path, which takes only its fused bounded gate
+# (g = lower_bound * sigmoid(exp(a_log) * raw)); the raw gate below reproduces our per-channel g.
+TOKAMAX_LOWER_BOUND = -5.0
+
+
+def tokamax_runners(q, k, v, g, beta, scale: float):
+    """(forward, forward+backward, their inputs) of tokamax's `kimi_delta_attention` (implementation
+    xla_chunked) on our inputs: [H, B, T, K] layout, raw gate = logit(g / lower_bound), a_log = 0."""
+    from tokamax._src.ops.kda.api import kimi_delta_attention as tokamax_kda
+
+    share = jnp.clip(g / TOKAMAX_LOWER_BOUND, 1e-7, 1.0 - 1e-7)
+    raw_gate = jnp.log(share) - jnp.log1p(-share)
+    heads_first = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731
+    inputs = tuple(heads_first(x) for x in (q, k, v, raw_gate, beta))
+    a_log = jnp.zeros((q.shape[2],), jnp.float32)
+
+    def forward(q, k, v, gate, beta):
+        return tokamax_kda(
+            q, k, v, gate, beta, a_log=a_log, scale=scale, output_final_state=True, use_qk_l2norm=True,
+            use_gate_in_kernel=True, lower_bound=TOKAMAX_LOWER_BOUND, implementation="xla_chunked",
+        )
+
+    def loss(q, k, v, gate, beta, d_out):
+        return jnp.sum(forward(q, k, v, gate, beta)[0].astype(jnp.float32) * d_out)
+
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), inputs
+
+
+def time_tokamax(row: dict, q, k, v, g, beta, d_out, scale: float, backward: bool, reference) -> None:
+    forward, forward_backward, inputs = tokamax_runners(q, k, v, g, beta, scale)
+    out, _ = jax.block_until_ready(forward(*inputs))
+    if reference is not None:
+        row["err_tokamax"] = f"{rel(jnp.moveaxis(out, 0, 2).astype(jnp.float32), reference):.1e}"
+    row["tokamax_ms"] = f"{time_jax(forward, *inputs):.3f}"
+    if backward:
+        row["tokamax_fb_ms"] = f"{time_jax(forward_backward, *inputs, jnp.moveaxis(d_out, 2, 0)):.3f}"
+    log(f"tokamax {row}")
+
+
 def torch_peak_mb(fn) -> float:
     import torch
 
@@ -239,6 +279,12 @@ def bench_shape(shape, args, index: int) -> dict:
         xla, xla_grad = ours_runners("xla", scale)
         row["xla_ms"] = f"{time_jax(xla, q, k, v, g, beta):.3f}"
         log(f"{shape} {row}")
+    if args.tokamax:
+        try:  # an anchor that fails (its wheels, its limits) must not cost the row its other numbers
+            time_tokamax(row, q, k, v, g, beta, d_out, scale, not args.no_bwd, None if args.no_check else ref_out)
+        except Exception as exc:
+            traceback.print_exc()
+            row["tokamax_error"] = f"{type(exc).__name__}: {exc}"[:120]
     if not args.no_bwd:
         grads = jax.block_until_ready(ours_grad(q, k, v, g, beta, d_out))
         log(f"{shape} ours backward compiled and ran")
@@ -267,6 +313,7 @@ def main() -> None:
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--no-xla", action="store_true", help="skip our XLA chunked path")
     parser.add_argument("--no-bwd", action="store_true", help="forward only")
+    parser.add_argument("--tokamax", action="store_true", help="also tokamax's xla_chunked KDA (its wheels carried)")
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
     parser.add_argument("--sweep", default="", help="kernels whose launch variants to time: all, or some of "
                         "intra,state,grad,intra_bwd (comma-separated)")
@@ -288,10 +335,11 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)
     default = lambda kernel, variants: f"{kernel}_{next(iter(variants))}_ms"  # noqa: E731
-    columns = ["shape", "err_ours", "err_state", "err_fla", "fla_ms", "pallas_ms", "ratio", "xla_ms",
+    columns = ["shape", "err_ours", "err_state", "err_fla", "err_tokamax", "fla_ms", "pallas_ms", "ratio", "xla_ms",
+               "tokamax_ms", "tokamax_fb_ms",
                "prepare_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS), "output_ms",
                "state_bwd_ms", default("grad", GRAD_VARIANTS), default("intra_bwd", INTRA_BWD_VARIANTS),
-               "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB", "error"]
+               "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB", "tokamax_error", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:
         variants = [name for name in row if name.startswith(("intra_", "state", "grad_"))]
