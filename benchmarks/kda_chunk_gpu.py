@@ -10,8 +10,13 @@ same inputs), then times the forward of fla, ours (pallas:chunked) and our XLA c
 Pallas kernels one by one (first `--stages` shapes), and forward+backward with peak memory
 (median of event-timed runs for torch, median over rounds of back-to-back jitted calls for JAX;
 ours through the public `kernel_delta_attention`); with the fp32 check also our gradients against
-our XLA chunked path's. With --tokamax also tokamax's `kimi_delta_attention` (xla_chunked; its
-wheels and ../shared/gpu/stubs carried, see ../shared/gpu/README.md). fla autotunes ~80 s on its first call per head count: use --first, --shapes
+our XLA chunked path's. With --tokamax also tokamax's `kimi_delta_attention` (xla_chunked). The GPU
+machine lacks what tokamax imports; on 2026-12-04 this set, downloaded here into .whl/ (with
+`pip download --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all:`),
+made it import there, with ../shared/gpu/stubs copied to .whl/stubs and put on PYTHONPATH:
+tokamax==0.0.17 einshape immutabledict qwix absl-py pydantic pydantic-core typing-inspection
+annotated-types typing_extensions flax msgpack rich pyyaml markdown-it-py mdurl pygments treescope
+optax tqdm. fla autotunes ~80 s on its first call per head count: use --first, --shapes
 and the --no-* flags to fit a 10-minute call. A short table is printed last; the full numbers go to
 $OUT/kda_chunk_gpu.json when OUT is set.
 """
