@@ -206,17 +206,38 @@ def staged(row: dict, name: str, fn, *args):
 
 
 # Launch settings tried per kernel with --sweep (the first of each is the pipeline's default).
-INTRA_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k16w4": dict(block_k=16, num_warps=4),
-                  "k32v32w4": dict(block_k=32, block_v=32, num_warps=4), "k32w2": dict(block_k=32, num_warps=2)}
-INTRA_BWD_VARIANTS = {"k16w4": dict(block_k=16, num_warps=4), "k32w4": dict(block_k=32, num_warps=4),
-                      "k16w8": dict(block_k=16, num_warps=8)}
+# Earlier sweeps (BENCHMARKS.md) settled block sizes and warps; "sN" asks Triton for N pipeline stages
+# (asynchronous copies of the next K slice or chunk while the current one computes).
+INTRA_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k32w4s2": dict(block_k=32, num_warps=4, num_stages=2),
+                  "k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
+                  "k16w4s2": dict(block_k=16, num_warps=4, num_stages=2)}
+INTRA_BWD_VARIANTS = {"k16w4": dict(block_k=16, num_warps=4), "k16w4s2": dict(block_k=16, num_warps=4, num_stages=2),
+                      "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
+                      "k32w4s2": dict(block_k=32, num_warps=4, num_stages=2)}
 GRAD_VARIANTS = {"k32v64w4": dict(block_k=32, block_v=64, num_warps=4),
-                 "k64v64w8": dict(block_k=64, block_v=64, num_warps=8),
-                 "k64v64w4": dict(block_k=64, block_v=64, num_warps=4),
-                 "k64v32w4": dict(block_k=64, block_v=32, num_warps=4),
-                 "k128v128w8": dict(block_k=128, block_v=128, num_warps=8)}
-STATE_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4), "v16w2": dict(block_v=16, num_warps=2),
-                  "v64w4": dict(block_v=64, num_warps=4), "v32w2": dict(block_v=32, num_warps=2)}
+                 "k32v64w4s2": dict(block_k=32, block_v=64, num_warps=4, num_stages=2),
+                 "k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3)}
+STATE_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4), "v32w4s1": dict(block_v=32, num_warps=4, num_stages=1),
+                  "v32w4s3": dict(block_v=32, num_warps=4, num_stages=3)}
+
+
+def time_variants(row: dict, kernel: str, variants: dict, swept: set, build, *args):
+    """Time the default launch of `kernel` (the first of `variants`) and, when --sweep names it, the
+    others; returns the default's outputs. A variant that fails to compile is logged and skipped."""
+    outputs = None
+    for index, (name, settings) in enumerate(variants.items()):
+        if index and kernel not in swept and "all" not in swept:
+            break
+        try:
+            out = staged(row, f"{kernel}_{name}", jax.jit(build(settings)), *args)
+        except Exception as exc:  # e.g. out of shared memory with more stages
+            if not index:
+                raise
+            log(f"{kernel}_{name} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            row[f"{kernel}_{name}_ms"] = "failed"
+            continue
+        outputs = out if not index else outputs
+    return outputs
 
 
 def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
@@ -224,29 +245,28 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
     launch variant)."""
     chunk = 64
     swept = set(sweep.split(","))
-
-    def pick(variants, kernel):
-        return variants if kernel in swept or "all" in swept else dict([next(iter(variants.items()))])
-
     prepare = jax.jit(lambda q, k, g: (*prepare_qk(q, k, scale, True), chunk_local_cumsum(g, chunk=chunk)))
     qn, kn, gates = staged(row, "prepare", prepare, q, k, g)
-    for name, settings in pick(INTRA_VARIANTS, "intra").items():
-        intra = jax.jit(functools.partial(chunk_intra, chunk=chunk, **settings))
-        (inverse, aqk), (w, u, kg, qg, decay) = staged(row, f"intra_{name}", intra, qn, kn, v, gates, beta)
-    for name, settings in pick(STATE_VARIANTS, "state").items():
-        state = jax.jit(lambda w, u, kg, decay, settings=settings: chunk_state(w, u, kg, decay, None, **settings))
-        h, v_new, _ = staged(row, f"state_{name}", state, w, u, kg, decay)
+    (inverse, aqk), (w, u, kg, qg, decay) = time_variants(
+        row, "intra", INTRA_VARIANTS, swept, lambda s: functools.partial(chunk_intra, chunk=chunk, **s),
+        qn, kn, v, gates, beta,
+    )
+    h, v_new, _ = time_variants(
+        row, "state", STATE_VARIANTS, swept, lambda s: lambda *a: chunk_state(*a, None, **s), w, u, kg, decay
+    )
     staged(row, "output", jax.jit(chunk_output), qg, h, aqk, v_new)
     # The backward's kernels, on a random output cotangent.
     d_out = jax.random.normal(jax.random.key(2), v.shape, v.dtype)
     state_bwd = jax.jit(lambda *a: chunk_state_bwd(*a, None))
     dh, dv_new, _ = staged(row, "state_bwd", state_bwd, qg, kg, w, aqk, d_out, decay)
-    for name, settings in pick(GRAD_VARIANTS, "grad").items():
-        grad = jax.jit(functools.partial(chunk_grad, chunk=chunk, **settings))
-        *_, daqk, dakk = staged(row, f"grad_{name}", grad, qn, kn, v, gates, beta, inverse, h, dh, v_new, dv_new, d_out)
-    for name, settings in pick(INTRA_BWD_VARIANTS, "intra_bwd").items():
-        intra = jax.jit(functools.partial(chunk_intra_bwd, chunk=chunk, **settings))
-        staged(row, f"intra_bwd_{name}", intra, qn, kn, gates, beta, daqk, dakk)
+    *_, daqk, dakk = time_variants(
+        row, "grad", GRAD_VARIANTS, swept, lambda s: functools.partial(chunk_grad, chunk=chunk, **s),
+        qn, kn, v, gates, beta, inverse, h, dh, v_new, dv_new, d_out,
+    )
+    time_variants(
+        row, "intra_bwd", INTRA_BWD_VARIANTS, swept, lambda s: functools.partial(chunk_intra_bwd, chunk=chunk, **s),
+        qn, kn, gates, beta, daqk, dakk,
+    )
     log(f"{row}")
 
 

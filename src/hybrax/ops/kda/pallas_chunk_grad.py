@@ -111,11 +111,11 @@ def _grad_kernel(
     dbeta_ref[...] = dbeta
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_grad(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, h: jax.Array,
     dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, *, chunk: int = 64,
-    block_k: int = 32, block_v: int = 64, num_warps: int = 4, interpret: bool = False,
+    block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int = 1, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """q, k [B, T, H, K] (prepared); v, v_new, dv_new, dO [B, T, HV, V]; g [B, T, HV, K] (G, fp32);
     beta [B, T, HV]; T [B, T, HV, chunk]; h, dh [B, NT, HV, K, V].
@@ -158,7 +158,7 @@ def chunk_grad(
             jax.ShapeDtypeStruct((*token_shape, chunk), f32),  # dA_qk
             jax.ShapeDtypeStruct((*token_shape, chunk), f32),  # dA_kk
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_chunk_grad",
     )(q, k, v, g, beta, inverse, h, dh, v_new, dv_new, d_out)

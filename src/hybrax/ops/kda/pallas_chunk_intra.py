@@ -127,10 +127,11 @@ def _intra_kernel(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
-    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, interpret: bool = False,
+    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
+    interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
     log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
@@ -157,7 +158,7 @@ def chunk_intra(
         in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk)],
         out_specs=[rows(chunk), rows(chunk), *wy_out_specs],
         out_shape=[square, square, *wy_out_shape],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_chunk_intra",
     )(q, k, v, g, beta)

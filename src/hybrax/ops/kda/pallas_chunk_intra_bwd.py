@@ -94,10 +94,10 @@ def _intra_bwd_kernel(
     dbeta_ref[...] = lax.fori_loop(0, q_ref.shape[1] // block_k, slice_pass, jnp.zeros((chunk,), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "num_stages", "interpret"))
 def chunk_intra_bwd(
     q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, daqk: jax.Array, dakk: jax.Array, *,
-    chunk: int = 64, block_k: int = 16, num_warps: int = 4, interpret: bool = False,
+    chunk: int = 64, block_k: int = 16, num_warps: int = 4, num_stages: int = 1, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, K] (prepared); g [B, T, HV, K] (G, fp32); beta [B, T, HV]; dA_qk, dA_kk
     [B, T, HV, chunk] fp32 (masked).
@@ -125,7 +125,7 @@ def chunk_intra_bwd(
         ],
         out_specs=[rows_spec(dk), rows_spec(dk), rows_spec(dk), beta_spec],
         out_shape=[keys_out, keys_out, keys_out, jax.ShapeDtypeStruct(token_shape, jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_chunk_intra_bwd",
     )(q, k, g, beta, daqk, dakk)
