@@ -208,17 +208,18 @@ def staged(row: dict, name: str, fn, *args):
 # Launch settings tried per kernel with --sweep (the first of each is the pipeline's default).
 # Earlier sweeps (BENCHMARKS.md) settled block sizes and warps; "sN" asks Triton for N pipeline stages
 # (asynchronous copies of the next K slice or chunk while the current one computes).
-INTRA_VARIANTS = {"k32w4": dict(block_k=32, num_warps=4), "k32w4s2": dict(block_k=32, num_warps=4, num_stages=2),
-                  "k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
-                  "k16w4s2": dict(block_k=16, num_warps=4, num_stages=2)}
-INTRA_BWD_VARIANTS = {"k16w4": dict(block_k=16, num_warps=4), "k16w4s2": dict(block_k=16, num_warps=4, num_stages=2),
-                      "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
-                      "k32w4s2": dict(block_k=32, num_warps=4, num_stages=2)}
-GRAD_VARIANTS = {"k32v64w4": dict(block_k=32, block_v=64, num_warps=4),
-                 "k32v64w4s2": dict(block_k=32, block_v=64, num_warps=4, num_stages=2),
-                 "k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3)}
-STATE_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4), "v32w4s1": dict(block_v=32, num_warps=4, num_stages=1),
-                  "v32w4s3": dict(block_v=32, num_warps=4, num_stages=3)}
+INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
+                  "k32w4s1": dict(block_k=32, num_warps=4, num_stages=1),
+                  "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4)}
+INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
+                      "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
+                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
+GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3),
+                 "k32v64w4s1": dict(block_k=32, block_v=64, num_warps=4, num_stages=1),
+                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4)}
+STATE_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
+                  "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
+                  "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
 
 
 def time_variants(row: dict, kernel: str, variants: dict, swept: set, build, *args):
@@ -364,7 +365,8 @@ def main() -> None:
                "tokamax_ms", "tokamax_fb_ms",
                "prepare_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS), "output_ms",
                "state_bwd_ms", default("grad", GRAD_VARIANTS), default("intra_bwd", INTRA_BWD_VARIANTS),
-               "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB", "tokamax_error", "error"]
+               "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB",
+               "tokamax_error", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:
         variants = [name for name in row if name.startswith(("intra_", "state", "grad_"))]

@@ -28,7 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import (
-    chunk_column_spec, chunk_rows_spec, chunk_state_spec, dot_settings, index_grid, mm_t, mm_tn, solve_precision,
+    PIPELINE_STAGES, chunk_column_spec, chunk_rows_spec, chunk_state_spec, dot_settings, index_grid, mm_t, mm_tn,
+    solve_precision,
 )
 
 
@@ -115,7 +116,8 @@ def _grad_kernel(
 def chunk_grad(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, h: jax.Array,
     dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, *, chunk: int = 64,
-    block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int = 1, interpret: bool = False,
+    block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int = PIPELINE_STAGES,
+    interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """q, k [B, T, H, K] (prepared); v, v_new, dv_new, dO [B, T, HV, V]; g [B, T, HV, K] (G, fp32);
     beta [B, T, HV]; T [B, T, HV, chunk]; h, dh [B, NT, HV, K, V].

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, solve_precision,
+    PIPELINE_STAGES, SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, solve_precision,
 )
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
@@ -130,7 +130,7 @@ def _intra_kernel(
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
-    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
+    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int = PIPELINE_STAGES,
     interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative

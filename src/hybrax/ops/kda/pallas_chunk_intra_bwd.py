@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_intra import split_decay, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision,
+    PIPELINE_STAGES, SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision,
 )
 
 
@@ -97,7 +97,8 @@ def _intra_bwd_kernel(
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "num_stages", "interpret"))
 def chunk_intra_bwd(
     q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, daqk: jax.Array, dakk: jax.Array, *,
-    chunk: int = 64, block_k: int = 16, num_warps: int = 4, num_stages: int = 1, interpret: bool = False,
+    chunk: int = 64, block_k: int = 16, num_warps: int = 4, num_stages: int = PIPELINE_STAGES,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, K] (prepared); g [B, T, HV, K] (G, fp32); beta [B, T, HV]; dA_qk, dA_kk
     [B, T, HV, chunk] fp32 (masked).

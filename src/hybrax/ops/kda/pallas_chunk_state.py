@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn
+from hybrax.ops.kda.pallas_tiles import PIPELINE_STAGES, dot_settings, mm_tn
 
 
 class Segments(NamedTuple):
@@ -141,7 +141,7 @@ def state_pass_call(
 def chunk_state(
     w: jax.Array, u: jax.Array, kg: jax.Array, decay: jax.Array, initial_state: jax.Array | None,
     segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32, num_warps: int = 4,
-    num_stages: int = 2, interpret: bool = False,
+    num_stages: int = PIPELINE_STAGES, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Stage 2: w, kg [B, T, HV, K]; u [B, T, HV, V]; decay [B, NT, HV, K]; initial_state [B, HV, K, V] or None
     ([N, HV, K, V] with `segments`, B = 1).

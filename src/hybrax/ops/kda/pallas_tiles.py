@@ -12,6 +12,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
+# Triton's software pipelining of the kernels' loops over K slices and chunks (the next slice's loads
+# issued as asynchronous copies while the current one computes). At (1, 8192, 32, 128) bf16 on the
+# H200, 3 stages against 1 (2 for the state pass): stage 1 0.797 -> 0.758 ms, state pass 0.291 ->
+# 0.223, grad 0.988 -> 0.870, intra backward 1.250 -> 1.121 (BENCHMARKS.md).
+PIPELINE_STAGES = 3
 EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding
 # fp32 dots on the GPU (A_kk, A_qk, T; every dot of fp32 inputs): for fp32 inputs three tf32 passes on the
 # tensor cores keep fp32 accuracy (Triton's exact fp32 dot runs on the FMA units and made stage 1 2x
