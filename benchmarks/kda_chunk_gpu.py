@@ -48,6 +48,7 @@ from hybrax.ops.kda.pallas_chunk_intra import chunk_intra  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_output import chunk_output  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_state import chunk_state  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_wy import chunk_wy  # noqa: E402
 
 SHAPES = [(1, 8192, 32, 128), (8, 2048, 16, 128), (1, 32768, 16, 128), (2, 16384, 16, 128)]
 
@@ -220,6 +221,12 @@ GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_sta
 STATE_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
                   "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                   "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
+STATE_BWD_VARIANTS = {"v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
+                      "v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
+                      "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
+# The backward's recompute of w, u, kg, qg from the kept T (whole K and V per program: no loop to
+# pipeline but the row loads).
+WY_VARIANTS = {"w4s1": dict(num_warps=4, num_stages=1), "w4s3": dict(num_warps=4, num_stages=3)}
 
 
 def time_variants(row: dict, kernel: str, variants: dict, swept: set, build, *args):
@@ -258,8 +265,14 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
     staged(row, "output", jax.jit(chunk_output), qg, h, aqk, v_new)
     # The backward's kernels, on a random output cotangent.
     d_out = jax.random.normal(jax.random.key(2), v.shape, v.dtype)
-    state_bwd = jax.jit(lambda *a: chunk_state_bwd(*a, None))
-    dh, dv_new, _ = staged(row, "state_bwd", state_bwd, qg, kg, w, aqk, d_out, decay)
+    time_variants(
+        row, "wy", WY_VARIANTS, swept, lambda s: functools.partial(chunk_wy, chunk=chunk, **s),
+        qn, kn, v, gates, beta, inverse,
+    )
+    dh, dv_new, _ = time_variants(
+        row, "state_bwd", STATE_BWD_VARIANTS, swept, lambda s: lambda *a: chunk_state_bwd(*a, None, **s),
+        qg, kg, w, aqk, d_out, decay,
+    )
     *_, daqk, dakk = time_variants(
         row, "grad", GRAD_VARIANTS, swept, lambda s: functools.partial(chunk_grad, chunk=chunk, **s),
         qn, kn, v, gates, beta, inverse, h, dh, v_new, dv_new, d_out,
@@ -342,7 +355,7 @@ def main() -> None:
     parser.add_argument("--tokamax", action="store_true", help="also tokamax's xla_chunked KDA (its wheels carried)")
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
     parser.add_argument("--sweep", default="", help="kernels whose launch variants to time: all, or some of "
-                        "intra,state,grad,intra_bwd (comma-separated)")
+                        "intra,state,wy,state_bwd,grad,intra_bwd (comma-separated)")
     parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
@@ -364,12 +377,13 @@ def main() -> None:
     columns = ["shape", "err_ours", "err_state", "err_fla", "err_tokamax", "fla_ms", "pallas_ms", "ratio", "xla_ms",
                "tokamax_ms", "tokamax_fb_ms",
                "prepare_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS), "output_ms",
-               "state_bwd_ms", default("grad", GRAD_VARIANTS), default("intra_bwd", INTRA_BWD_VARIANTS),
+               default("wy", WY_VARIANTS), default("state_bwd", STATE_BWD_VARIANTS), default("grad", GRAD_VARIANTS),
+               default("intra_bwd", INTRA_BWD_VARIANTS),
                "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB",
                "tokamax_error", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:
-        variants = [name for name in row if name.startswith(("intra_", "state", "grad_"))]
+        variants = [name for name in row if name.startswith(("intra_", "state", "grad_", "wy_"))]
         if len(variants) > 3:
             print(row["shape"], "  ".join(f"{name[:-3]} {row[name]}" for name in variants))
 

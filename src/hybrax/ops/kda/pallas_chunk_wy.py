@@ -71,10 +71,10 @@ def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, com
     )
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "num_stages", "interpret"))
 def chunk_wy(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, *,
-    chunk: int = 64, num_warps: int = 4, interpret: bool = False,
+    chunk: int = 64, num_warps: int = 4, num_stages: int = 1, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (fp32); beta [B, T, HV]; T [B, T, HV, chunk].
 
@@ -91,7 +91,7 @@ def chunk_wy(
         in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk), rows(chunk)],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_chunk_wy",
     )(q, k, v, g, beta, inverse)
