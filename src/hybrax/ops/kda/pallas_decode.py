@@ -192,14 +192,16 @@ def tile_reason(dk: int, dv: int) -> str | None:
 
 # (block_v, num_warps) pairs worth timing; the autotuner of `kda_decode_pool` tries them.
 LAUNCH_CANDIDATES = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8))
-# Below this many programs of 64 value columns the GPU is under-filled and 32 columns win
-# (H200, 132 SMs: B=1 x 32 heads ran 11.2 us with 32 columns, 16.0 us with 64).
-MIN_PROGRAMS = 256
+# From this many programs of 64 value columns up, 64 columns stream the state faster; below, 32 columns
+# fill the GPU better (H200, 132 SMs, H = 32, K = V = 128, µs per step with 32 / 64 columns: B = 1
+# 11.2 / 16.0 (2026-12-02), B = 8 8.40 / 9.27, B = 64 81.8 / 81.5-82.4, B = 256 318 / 316, B = 1024 at
+# H = 16 644 / 624-632 (2026-12-04); BENCHMARKS.md).
+MIN_PROGRAMS = 4096
 
 
 def launch_params(rows: int, dv: int) -> dict[str, int]:
-    """block_v and num_warps for `rows` = requests x value heads (measured on the H200: BENCHMARKS.md).
-    64 columns x 4 warps was fastest from B = 8 up; 32 x 4 at B = 1."""
+    """block_v and num_warps for `rows` = requests x value heads (measured on the H200: BENCHMARKS.md):
+    4 warps, 32 columns up to B = 8 at H = 32, 64 columns from B = 64."""
     block_v = 64 if dv >= 64 and rows * (dv // 64) >= MIN_PROGRAMS else min(32, dv)
     return {"block_v": block_v, "num_warps": 4}
 
