@@ -17,7 +17,7 @@ from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_chunked import kda_chunk
 from tests.helpers import TOLERANCE, assert_close, normal
-from tests.ops.kda.test_pallas_chunk_fwd import abstract_inputs, inputs, lower_for_h200
+from tests.ops.kda.test_pallas_chunk_fwd import abstract_inputs, inputs, lower_for_h200, pipeline_stages_of
 
 SCAN = KernelDeltaAttentionConfig("xla", "scan")
 
@@ -93,6 +93,11 @@ def test_lowers_to_triton(dtype, packed):
     # Recomputed forward (cumsum, intra, state: no T and A_qk given) and the backward (state, grad, intra,
     # cumsum).
     assert text.count("__gpu$xla.gpu.triton") == 7
+    stages = dict(pipeline_stages_of(text))  # three where measured (bf16), the earlier settings elsewhere
+    expected = {"kda_chunk_state_bwd": 2, "kda_chunk_grad": 3, "kda_chunk_intra_bwd": 3}
+    if dtype == jnp.float32:
+        expected.update(kda_chunk_grad=1, kda_chunk_intra_bwd=1)
+    assert {name: stages[name] for name in expected} == expected
 
 
 def test_packed_sequences():

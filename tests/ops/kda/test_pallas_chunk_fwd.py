@@ -7,6 +7,7 @@ pipeline to Triton IR for an H200 (no GPU needed), so an unsupported primitive f
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -207,6 +208,23 @@ def abstract_inputs(dtype, packed: bool) -> list:
     args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
     segments = [jax.ShapeDtypeStruct((2,), jnp.int32) for _ in range(3)] if packed else []
     return args, segments
+
+
+def pipeline_stages_of(text: str) -> list[tuple[str, int]]:
+    """(kernel name, num_stages) of each Triton call in lowered StableHLO text, in order."""
+    return [(name, int(stages)) for name, stages in re.findall(r'name = "(kda_[a-z_]+)", num_stages = (\d+)', text)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stages"),
+    # Three pipeline stages where they were measured (bf16, K <= 128); the earlier settings elsewhere.
+    [(jnp.bfloat16, [1, 3, 3, 2]), (jnp.float32, [1, 1, 2, 2])],
+)
+def test_pipeline_stages(dtype, stages):
+    args, _ = abstract_inputs(dtype, False)
+    text = lower_for_h200(lambda *a: kda_chunk_fwd(*a[:6], None, scale=0.1), *args)
+    names = ["kda_chunk_cumsum", "kda_chunk_intra", "kda_chunk_state", "kda_chunk_output"]
+    assert pipeline_stages_of(text) == list(zip(names, stages))
 
 
 @pytest.mark.parametrize("packed", [False, True])

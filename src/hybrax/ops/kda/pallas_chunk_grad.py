@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import (
-    PIPELINE_STAGES, chunk_column_spec, chunk_rows_spec, chunk_state_spec, dot_settings, index_grid, mm_t, mm_tn,
+    chunk_column_spec, chunk_rows_spec, chunk_state_spec, dot_settings, index_grid, mm_t, mm_tn, pipeline_stages,
     solve_precision,
 )
 
@@ -116,7 +116,7 @@ def _grad_kernel(
 def chunk_grad(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, h: jax.Array,
     dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, *, chunk: int = 64,
-    block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int = PIPELINE_STAGES,
+    block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """q, k [B, T, H, K] (prepared); v, v_new, dv_new, dO [B, T, HV, V]; g [B, T, HV, K] (G, fp32);
@@ -160,7 +160,9 @@ def chunk_grad(
             jax.ShapeDtypeStruct((*token_shape, chunk), f32),  # dA_qk
             jax.ShapeDtypeStruct((*token_shape, chunk), f32),  # dA_kk
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages or pipeline_stages(q.dtype, dk)
+        ),
         interpret=interpret,
         name="kda_chunk_grad",
     )(q, k, v, g, beta, inverse, h, dh, v_new, dv_new, d_out)

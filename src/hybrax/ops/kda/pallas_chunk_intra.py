@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
-    PIPELINE_STAGES, SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, solve_precision,
+    SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
 )
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
@@ -130,7 +130,7 @@ def _intra_kernel(
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
-    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int = PIPELINE_STAGES,
+    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
     interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
@@ -158,7 +158,9 @@ def chunk_intra(
         in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk)],
         out_specs=[rows(chunk), rows(chunk), *wy_out_specs],
         out_shape=[square, square, *wy_out_shape],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages or pipeline_stages(q.dtype, dk)
+        ),
         interpret=interpret,
         name="kda_chunk_intra",
     )(q, k, v, g, beta)

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_intra import split_decay, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
-    PIPELINE_STAGES, SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, solve_precision,
+    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, pipeline_stages, solve_precision,
 )
 
 
@@ -97,7 +97,7 @@ def _intra_bwd_kernel(
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "num_stages", "interpret"))
 def chunk_intra_bwd(
     q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, daqk: jax.Array, dakk: jax.Array, *,
-    chunk: int = 64, block_k: int = 16, num_warps: int = 4, num_stages: int = PIPELINE_STAGES,
+    chunk: int = 64, block_k: int = 16, num_warps: int = 4, num_stages: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, K] (prepared); g [B, T, HV, K] (G, fp32); beta [B, T, HV]; dA_qk, dA_kk
@@ -126,7 +126,9 @@ def chunk_intra_bwd(
         ],
         out_specs=[rows_spec(dk), rows_spec(dk), rows_spec(dk), beta_spec],
         out_shape=[keys_out, keys_out, keys_out, jax.ShapeDtypeStruct(token_shape, jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages or pipeline_stages(q.dtype, dk)
+        ),
         interpret=interpret,
         name="kda_chunk_intra_bwd",
     )(q, k, g, beta, daqk, dakk)

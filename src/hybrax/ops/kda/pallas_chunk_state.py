@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import PIPELINE_STAGES, dot_settings, mm_tn
+from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn, pipeline_stages
 
 
 class Segments(NamedTuple):
@@ -141,7 +141,7 @@ def state_pass_call(
 def chunk_state(
     w: jax.Array, u: jax.Array, kg: jax.Array, decay: jax.Array, initial_state: jax.Array | None,
     segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32, num_warps: int = 4,
-    num_stages: int = PIPELINE_STAGES, interpret: bool = False,
+    num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Stage 2: w, kg [B, T, HV, K]; u [B, T, HV, V]; decay [B, NT, HV, K]; initial_state [B, HV, K, V] or None
     ([N, HV, K, V] with `segments`, B = 1).
@@ -153,6 +153,7 @@ def chunk_state(
     _, precision = dot_settings(w.dtype, interpret)
     return state_pass_call(
         functools.partial(_state_kernel, chunk=chunk, precision=precision), (w, kg), u, decay, initial_state,
-        segments, chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        segments, chunk=chunk, block_v=block_v, num_warps=num_warps,
+        num_stages=num_stages or pipeline_stages(w.dtype, w.shape[3], before=2), interpret=interpret,
         name="kda_chunk_state",
     )

@@ -27,6 +27,13 @@ FP32_INPUT_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 BF16_INPUT_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32
 
 
+def pipeline_stages(dtype, dk: int, before: int = 1) -> int:
+    """The kernels' `num_stages` for inputs of `dtype` and K = dk: PIPELINE_STAGES where that was
+    measured (bf16, K <= 128); elsewhere the earlier setting `before`, since every stage keeps another
+    set of slices in shared memory (fp32 and K = 256 double them) and more were never compiled there."""
+    return PIPELINE_STAGES if dtype == jnp.bfloat16 and dk <= 128 else before
+
+
 def solve_precision(interpret: bool, dtype=jnp.float32):
     """Precision of the fp32 dots of a kernel on inputs of `dtype`."""
     if interpret:
