@@ -1,0 +1,150 @@
+"""Experiment, NOT YET RUN ON A GPU: the KDA decode step's state stream on Mosaic GPU with TMA.
+
+BENCHMARKS.md ("What bounds the decode step") found the Triton-lowered step at 77-83% of copy
+bandwidth and a Triton kernel that only streams the same tiles at 86-93%, while XLA's in-place
+fusion streams at 94-96%: the Triton lowering issues synchronous loads. This asks whether TMA copies
+of the next tiles, in flight while the current one is reduced, take the step past 90%.
+
+The state math only (the small per-request vectors are prepared by XLA beforehand, 1/V of the state's
+bytes): per (request b, value head h, value block j), with the [K, BV] state tile S (K-first, as the
+library's pool):
+
+    S = S * exp(decay)[:, None];  e = beta * (v - k^T S);  S = S + k e^T;  o = q^T S
+
+One CTA (one warpgroup) per `steps` consecutive tiles; `plgpu.emit_pipeline` keeps `stages` tiles'
+TMA loads in flight, and each new tile leaves by a TMA store. The new state goes to a second buffer
+(plgpu.kernel has no input/output aliasing): the same bytes per step as the in-place library kernel.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src python3 benchmarks/kda_decode_mosaic.py
+    python3 benchmarks/kda_decode_mosaic.py --smoke     # CPU, Mosaic GPU interpret mode
+
+Next (2026-12-04): run it on the H200; fix what the Mosaic GPU lowering rejects (layouts of the
+[K] and [BV] vectors, reductions over K); compare with the library step in the same loop; if it
+beats 90% of copy, fuse the gate/norm prologue and promote it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kda_decode_gpu import LOWER_BOUND, decode_loop, make_inputs, pallas_step, rel, time_loop  # noqa: E402
+
+from hybrax.ops.kda.gate import fused_gate  # noqa: E402
+from hybrax.ops.kda.xla_scan import l2_normalize  # noqa: E402
+
+
+def prologue(inputs):
+    """The per-request vectors, fp32: q (normalized, scaled), k (normalized) [B, H, K]; the log decay
+    [B, H, K]; v [B, H, V]; beta broadcast to [B, H, V] (a vector, so that the kernel reads no scalar)."""
+    q, k, v, g, beta, a_log, dt_bias = inputs
+    dk = q.shape[-1]
+    q = l2_normalize(q[:, 0].astype(jnp.float32)) * dk ** -0.5
+    k = l2_normalize(k[:, 0].astype(jnp.float32))
+    decay = fused_gate(g, a_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND)[:, 0]
+    beta = jnp.broadcast_to(jax.nn.sigmoid(beta[:, 0])[..., None], v[:, 0].shape)
+    return q, k, decay.astype(jnp.float32), v[:, 0].astype(jnp.float32), beta
+
+
+def mosaic_step(inputs, state, *, block_v: int = 64, ctas: int = 132, stages: int = 2, interpret: bool = False):
+    batch, heads, dk, dv = state.shape
+    q, k, decay, v, beta = prologue(inputs)
+    blocks = dv // block_v
+    tiles = batch * heads * blocks
+    while tiles % ctas:  # every CTA walks the same number of tiles
+        ctas -= 1
+    steps = tiles // ctas
+
+    def tile_of(step):
+        """(b, h, j) of this CTA's step-th tile: consecutive tiles are neighbours in memory."""
+        tile = lax.axis_index("cta") * steps + step
+        return tile // (heads * blocks), (tile // blocks) % heads, tile % blocks
+
+    def row_spec(width):  # a [width] vector of a [B, H, width] array: the tile's (b, h) row
+        return pl.BlockSpec((None, None, width), lambda s: tile_of(s)[:2] + (0,))
+
+    def column_spec():  # the tile's [BV] slice of a [B, H, V] array
+        return pl.BlockSpec((None, None, block_v), lambda s: tile_of(s))
+
+    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda s: (*tile_of(s)[:2], 0, tile_of(s)[2]))
+
+    @functools.partial(
+        plgpu.kernel,
+        out_type=(jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)),
+        scratch_types=[plgpu.SMEM((block_v,), jnp.float32)],
+        grid=(ctas,), grid_names=("cta",), interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    def kernel(state_gmem, q_gmem, k_gmem, decay_gmem, v_gmem, beta_gmem, state_out_gmem, o_gmem, o_smem):
+        def body(indices, state_smem, q_smem, k_smem, decay_smem, v_smem, beta_smem):
+            keys, queries = k_smem[...], q_smem[...]
+            tile = state_smem[...] * lax.broadcast_in_dim(jnp.exp(decay_smem[...]), (dk, block_v), [0])
+            keys_2d = lax.broadcast_in_dim(keys, (dk, block_v), [0])
+            error = beta_smem[...] * (v_smem[...] - jnp.sum(tile * keys_2d, axis=0))
+            tile = tile + keys_2d * lax.broadcast_in_dim(error, (dk, block_v), [1])
+            # The new tile goes back through its own input slot (emit_pipeline's output copies are
+            # predicated, which GPU interpret mode cannot run); the slot is reused once this returns,
+            # so the body waits until the stores have read shared memory.
+            state_smem[...] = tile
+            o_smem[...] = jnp.sum(tile * lax.broadcast_in_dim(queries, (dk, block_v), [0]), axis=0)
+            plgpu.commit_smem()
+            b, h, j = tile_of(indices[0])
+            cols = pl.ds(j * block_v, block_v)
+            plgpu.copy_smem_to_gmem(state_smem, state_out_gmem.at[b, h, :, cols])
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, cols])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        plgpu.emit_pipeline(
+            body, grid=(steps,),
+            in_specs=[state_spec, row_spec(dk), row_spec(dk), row_spec(dk), column_spec(), column_spec()],
+            max_concurrent_steps=stages,
+        )(state_gmem, q_gmem, k_gmem, decay_gmem, v_gmem, beta_gmem)
+
+    new_state, out = kernel(state, q, k, decay, v, beta)
+    return out[:, None].astype(inputs[0].dtype), new_state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, Mosaic GPU interpret mode")
+    parser.add_argument("--cases", default="64x32,256x32,1024x16")
+    parser.add_argument("--configs", default="64x2,64x3,32x3", help="block_v x stages")
+    args = parser.parse_args()
+    dim, cases = (64, "2x2") if args.smoke else (128, args.cases)
+    from kda_decode_gpu import copy_bandwidth
+
+    copy = float("nan") if args.smoke else copy_bandwidth()
+    for case in cases.split(","):
+        batch, heads = (int(n) for n in case.split("x"))
+        inputs, state = make_inputs(batch, batch, heads, dim)
+        o_ref, s_ref = pallas_step(inputs, state, block_v=min(64, dim), num_warps=4, interpret=args.smoke)
+        steps = 2 if args.smoke else max(20, 12800 // batch)
+        variants = {"library bv64w4": functools.partial(pallas_step, block_v=min(64, dim), num_warps=4,
+                                                        interpret=args.smoke)}
+        for config in args.configs.split(","):
+            block_v, stages = (int(n) for n in config.split("x"))
+            variants[f"mosaic bv{block_v}s{stages}"] = functools.partial(
+                mosaic_step, block_v=min(block_v, dim), stages=stages, ctas=4 if args.smoke else 132,
+                interpret=args.smoke,
+            )
+        for name, step in variants.items():
+            o, new = step(inputs, state)
+            err = max(rel(o, o_ref), rel(new, s_ref))
+            seconds, _ = time_loop(decode_loop(step, steps), jnp.copy(state), inputs, steps)
+            bandwidth = 2 * state.size * 4 / seconds
+            print(f"B={batch} H={heads} {name:18s} err {err:.1e}  {seconds * 1e6:9.2f} us  "
+                  f"{bandwidth / 1e12:5.2f} TB/s  {100 * bandwidth / copy:5.1f}% of copy", flush=True)
+            assert np.isfinite(err) and err < 1e-4, f"{name} disagrees with the library step: {err:.1e}"
+
+
+if __name__ == "__main__":
+    main()
