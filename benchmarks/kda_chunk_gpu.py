@@ -211,7 +211,10 @@ def staged(row: dict, name: str, fn, *args):
 # (asynchronous copies of the next K slice or chunk while the current one computes).
 INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k32w4s1": dict(block_k=32, num_warps=4, num_stages=1),
-                  "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4)}
+                  "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4),
+                  "rows_k32w4s3": dict(block_k=32, num_warps=4, num_stages=3, row_blocks=True),
+                  "rows_k64w4s3": dict(block_k=64, num_warps=4, num_stages=3, row_blocks=True),
+                  "rows_k32w8s3": dict(block_k=32, num_warps=8, num_stages=3, row_blocks=True)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
                       "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
@@ -231,7 +234,9 @@ WY_VARIANTS = {"w4s1": dict(num_warps=4, num_stages=1), "w4s3": dict(num_warps=4
 
 def time_variants(row: dict, kernel: str, variants: dict, swept: set, build, *args):
     """Time the default launch of `kernel` (the first of `variants`) and, when --sweep names it, the
-    others; returns the default's outputs. A variant that fails to compile is logged and skipped."""
+    others, each checked against the default's outputs (largest relative difference into
+    row[f"{kernel}_{name}_diff"]); returns the default's outputs. A variant that fails to compile is
+    logged and skipped."""
     outputs = None
     for index, (name, settings) in enumerate(variants.items()):
         if index and kernel not in swept and "all" not in swept:
@@ -244,7 +249,12 @@ def time_variants(row: dict, kernel: str, variants: dict, swept: set, build, *ar
             log(f"{kernel}_{name} failed: {type(exc).__name__}: {str(exc)[:200]}")
             row[f"{kernel}_{name}_ms"] = "failed"
             continue
-        outputs = out if not index else outputs
+        if index:
+            diffs = [rel(a.astype(jnp.float32), b.astype(jnp.float32))
+                     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(outputs))]
+            row[f"{kernel}_{name}_diff"] = f"{max(diffs):.0e}"
+        else:
+            outputs = out
     return outputs
 
 
@@ -385,7 +395,7 @@ def main() -> None:
     for row in rows:
         variants = [name for name in row if name.startswith(("intra_", "state", "grad_", "wy_"))]
         if len(variants) > 3:
-            print(row["shape"], "  ".join(f"{name[:-3]} {row[name]}" for name in variants))
+            print(row["shape"], "  ".join(f"{name.removesuffix('_ms')} {row[name]}" for name in variants))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ import pytest
 from hybrax.core import lookup
 from hybrax.ops.kda import api, reference
 from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunked)
+from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd
+from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 
@@ -163,6 +165,17 @@ def test_packed_sequences(with_state):
     )
     assert_close(out, ref_out, TOLERANCE[jnp.float32], "output")
     assert_close(final, ref_final, TOLERANCE[jnp.float32], "final states")
+
+
+@pytest.mark.parametrize("hard_gates", [False, True])
+def test_row_block_scores_agree(hard_gates):
+    # Stage 1's two ways to build A_kk and A_qk (masked [C, C] dots, or [16, C] row blocks stacked)
+    # give the same T, A_qk and WY form, steep sub-chunks (gates of -1000) included.
+    q, k, v, g, beta = inputs(130, 1, 128, 2, 4, 64, 32, jnp.float32, hard_gates)
+    gates = chunk_local_cumsum(g, chunk=64, interpret=True)
+    masked = chunk_intra(q, k, v, gates, beta, block_k=16, interpret=True)
+    stacked = chunk_intra(q, k, v, gates, beta, block_k=16, row_blocks=True, interpret=True)
+    assert_close(jax.tree.leaves(stacked), jax.tree.leaves(masked), 1e-6, "row blocks")
 
 
 def test_supports_every_layout_up_to_head_dim_256():

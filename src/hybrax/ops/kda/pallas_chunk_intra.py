@@ -15,7 +15,9 @@ exp(STEEP) in some channel (gates of -1000), the diagonal blocks are recomputed 
 exp(min(G_i - G_j, 0)), so the kernel never overflows and very negative gates underflow to exactly 0.
 Three quarters of each dot's left operand is zeros: on the H200 the tensor cores absorb that, and this
 took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
-(1, 8192, 32, 128) bf16 (BENCHMARKS.md). T follows by doubling on the whole tile.
+(1, 8192, 32, 128) bf16 (BENCHMARKS.md). With `row_blocks` the masked dots give way to [16, C] row
+blocks, stacked into the tile afterwards (a quarter of the dot work; not yet timed on the GPU, where
+the stacking's layout conversions may cost what the dots save). T follows by doubling on the whole tile.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
+    stack_rows,
 )
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
@@ -108,12 +111,40 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
     return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
 
 
+def _row_block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
+    """`_factored_scores` with [SUB, C] row blocks instead of masked [C, C] tiles: sub-chunk a's rows
+    (k or q times exp(G_i - G_r), read as [SUB, BK] slices of the refs) against every key, then the
+    blocks stacked. A quarter of the masked form's dot work and of its left-hand exponentials, at the
+    cost of stacking the blocks once per chunk."""
+    chunk, dk = q_ref.shape
+    sub_chunks = chunk // SUB
+
+    def accumulate(index, blocks):
+        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        gates, keys = g_ref[:, cols], k_ref[:, cols].astype(jnp.float32)
+        updated = []
+        for a, (kk, qk) in enumerate(zip(blocks[:sub_chunks], blocks[sub_chunks:])):
+            rows = pl.ds(a * SUB, SUB)
+            start = g_ref[a * SUB, cols][None, :]
+            to_start = jnp.exp(g_ref[rows, cols] - start)
+            right = keys * jnp.exp(jnp.minimum(start - gates, STEEP))
+            kk = kk + mm_t(k_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision)
+            qk = qk + mm_t(q_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision)
+            updated.append((kk, qk))
+        return tuple(kk for kk, _ in updated) + tuple(qk for _, qk in updated)
+
+    zeros = tuple(jnp.zeros((SUB, chunk), jnp.float32) for _ in range(2 * sub_chunks))
+    blocks = lax.fori_loop(0, dk // block_k, accumulate, zeros)
+    return stack_rows(list(blocks[:sub_chunks])), stack_rows(list(blocks[sub_chunks:]))
+
+
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
-    block_k: int, block_v: int, precision, compute_dtype, wy_precision,
+    block_k: int, block_v: int, row_blocks: bool, precision, compute_dtype, wy_precision,
 ):
     rows, cols = index_grid(q_ref.shape[0])
-    akk, aqk = _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
+    scores = _row_block_scores if row_blocks else _factored_scores
+    akk, aqk = scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
     exact_kk, exact_qk = lax.cond(steep_chunk(g_ref), lambda: _exact_scores(q_ref, k_ref, g_ref), lambda: (akk, aqk))
     diagonal = (rows // SUB) == (cols // SUB)
     akk, aqk = jnp.where(diagonal, exact_kk, akk), jnp.where(diagonal, exact_qk, aqk)
@@ -127,11 +158,13 @@ def _intra_kernel(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "row_blocks", "interpret")
+)
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
     chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
-    interpret: bool = False,
+    row_blocks: bool = False, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
     log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
@@ -146,7 +179,7 @@ def chunk_intra(
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
+        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv), row_blocks=row_blocks,
         precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)

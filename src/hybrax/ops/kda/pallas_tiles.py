@@ -68,6 +68,19 @@ def mm_tn(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
     )
 
 
+def stack_rows(blocks: list[jax.Array]) -> jax.Array:
+    """Row blocks [r, c] (a power of two of them) stacked into one [n r, c] tile, in order. Triton has
+    no concatenation along rows: each pair goes through a new minor axis (join), a transpose and a
+    reshape."""
+    while len(blocks) > 1:
+        pairs = zip(blocks[::2], blocks[1::2])
+        blocks = [
+            jnp.transpose(jnp.stack([top, bottom], axis=-1), (2, 0, 1)).reshape(2 * top.shape[0], top.shape[1])
+            for top, bottom in pairs
+        ]
+    return blocks[0]
+
+
 def chunk_rows_spec(chunk: int, width: int, group: int = 1) -> pl.BlockSpec:
     """One chunk's rows [chunk, width] of a [B, T, heads, width] array, for the program (chunk t, value
     head h, batch b) of a per-chunk kernel; `group` value heads share each of the array's heads."""
