@@ -217,7 +217,9 @@ INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "rows_k32w8s3": dict(block_k=32, num_warps=8, num_stages=3, row_blocks=True)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
-                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
+                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4),
+                      "rows_k16w4s3": dict(block_k=16, num_warps=4, num_stages=3, row_blocks=True),
+                      "rows_k32w4s3": dict(block_k=32, num_warps=4, num_stages=3, row_blocks=True)}
 GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3),
                  "k32v64w4s1": dict(block_k=32, block_v=64, num_warps=4, num_stages=1),
                  "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4)}

@@ -13,7 +13,9 @@ import pytest
 
 from hybrax.ops.kda.api import KernelDeltaAttentionConfig, kernel_delta_attention
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
+from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
+from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_chunked import kda_chunk
 from tests.helpers import TOLERANCE, assert_close, normal
@@ -119,6 +121,21 @@ def test_packed_sequences():
     got, want = run("pallas"), run(None, SCAN)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "d_initial"), got, want):
         assert_close(a, b, TOLERANCE[jnp.float32], name)
+
+
+@pytest.mark.parametrize("hard_gates", [False, True])
+def test_intra_bwd_row_blocks_agree(hard_gates):
+    # The backward through A_qk and A_kk summed from masked [C, C] tiles or from [16, C] row blocks:
+    # the same dq, dk, dG and dbeta, steep sub-chunks (gates of -1000) included.
+    q, k, _, g, beta = inputs(140, 1, 128, 2, 4, 64, 32, jnp.float32, hard_gates)
+    gates = chunk_local_cumsum(g, chunk=64, interpret=True)
+    position, column = jnp.arange(128)[:, None] % 64, jnp.arange(64)[None, :]  # row t: row t % 64 of its chunk
+    daqk = jnp.where((column <= position)[None, :, None, :], normal(141, (1, 128, 4, 64)), 0.0)
+    dakk = jnp.where((column < position)[None, :, None, :], normal(142, daqk.shape), 0.0)
+    args = (q, k, gates, beta, daqk, dakk)
+    masked = chunk_intra_bwd(*args, interpret=True)
+    stacked = chunk_intra_bwd(*args, row_blocks=True, interpret=True)
+    assert_close(stacked, masked, 1e-6, "row blocks")
 
 
 def test_grad_kernel_slices_agree():
