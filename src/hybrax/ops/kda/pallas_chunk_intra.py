@@ -73,6 +73,14 @@ def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, ja
     return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
 
 
+def row_block_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, jax.Array]:
+    """`split_decay` for row blocks: exp(G_i - G_r) on sub-chunk a's rows only ([SUB, BK]) and
+    exp(G_r - G_j) on every row ([C, BK], clamped at exp(STEEP))."""
+    start = g_ref[a * SUB, slice_k][None, :]
+    to_start = jnp.exp(g_ref[pl.ds(a * SUB, SUB), slice_k] - start)
+    return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
+
+
 def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
     (the min only touches entries above the diagonal, which callers drop)."""
@@ -125,9 +133,8 @@ def _row_block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[
         updated = []
         for a, (kk, qk) in enumerate(zip(blocks[:sub_chunks], blocks[sub_chunks:])):
             rows = pl.ds(a * SUB, SUB)
-            start = g_ref[a * SUB, cols][None, :]
-            to_start = jnp.exp(g_ref[rows, cols] - start)
-            right = keys * jnp.exp(jnp.minimum(start - gates, STEEP))
+            to_start, from_start = row_block_decay(g_ref, gates, cols, a)
+            right = keys * from_start
             kk = kk + mm_t(k_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision)
             qk = qk + mm_t(q_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision)
             updated.append((kk, qk))

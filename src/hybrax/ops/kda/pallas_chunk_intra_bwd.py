@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_intra import STEEP, split_decay, steep_chunk
+from hybrax.ops.kda.pallas_chunk_intra import row_block_decay, split_decay, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, pipeline_stages, solve_precision, stack_rows,
 )
@@ -96,9 +96,7 @@ def _row_block_sums(c: Chunk, queries, keys, gates, slice_k, precision):
     y_q, y_k = [], []
     for a in range(chunk // SUB):
         rows = pl.ds(a * SUB, SUB)
-        start = c.g_ref[a * SUB, slice_k][None, :]
-        to_start = jnp.exp(c.g_ref[rows, slice_k] - start)
-        from_start = jnp.exp(jnp.minimum(start - gates, STEEP))
+        to_start, from_start = row_block_decay(c.g_ref, gates, slice_k, a)
         right = keys * from_start
         drop = c.steep & (block_columns == a)
         p_a = jnp.where(drop, 0.0, c.daqk_ref[rows, :])
