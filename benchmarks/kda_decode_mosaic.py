@@ -15,8 +15,8 @@ One CTA (one warpgroup) per `steps` consecutive tiles; `plgpu.emit_pipeline` kee
 TMA loads in flight, and each new tile leaves by a TMA store. The new state goes to a second buffer
 (plgpu.kernel has no input/output aliasing): the same bytes per step as the in-place library kernel.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src python3 benchmarks/kda_decode_mosaic.py
-    python3 benchmarks/kda_decode_mosaic.py --smoke     # CPU, Mosaic GPU interpret mode
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src python3 benchmarks/kda_decode_mosaic.py [--swizzled]
+    python3 benchmarks/kda_decode_mosaic.py --smoke [--swizzled]    # CPU, Mosaic GPU interpret mode
 
 Next (2026-12-04): run it on the H200; fix what the Mosaic GPU lowering rejects (layouts of the
 [K] and [BV] vectors, reductions over K); compare with the library step in the same loop; if it
@@ -56,7 +56,10 @@ def prologue(inputs):
     return q, k, decay.astype(jnp.float32), v[:, 0].astype(jnp.float32), beta
 
 
-def mosaic_step(inputs, state, *, block_v: int = 64, ctas: int = 132, stages: int = 2, interpret: bool = False):
+def mosaic_step(inputs, state, *, block_v: int = 64, ctas: int = 132, stages: int = 2, swizzled: bool = False,
+                interpret: bool = False):
+    """One decode step; `swizzled` lays the state tiles out in shared memory as wgmma operands are
+    ((8, 32) tiles, 128-byte swizzle), the other candidate layout for the registers' loads."""
     batch, heads, dk, dv = state.shape
     q, k, decay, v, beta = prologue(inputs)
     blocks = dv // block_v
@@ -76,7 +79,10 @@ def mosaic_step(inputs, state, *, block_v: int = 64, ctas: int = 132, stages: in
     def column_spec():  # the tile's [BV] slice of a [B, H, V] array
         return pl.BlockSpec((None, None, block_v), lambda s: tile_of(s))
 
-    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda s: (*tile_of(s)[:2], 0, tile_of(s)[2]))
+    transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)) if swizzled else ()
+    state_spec = plgpu.BlockSpec(
+        (None, None, dk, block_v), lambda s: (*tile_of(s)[:2], 0, tile_of(s)[2]), transforms=transforms
+    )
 
     @functools.partial(
         plgpu.kernel,
@@ -118,6 +124,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, Mosaic GPU interpret mode")
     parser.add_argument("--cases", default="64x32,256x32,1024x16")
     parser.add_argument("--configs", default="64x2,64x3,32x3", help="block_v x stages")
+    parser.add_argument("--swizzled", action="store_true", help="also each config with swizzled shared memory")
     args = parser.parse_args()
     dim, cases = (64, "2x2") if args.smoke else (128, args.cases)
     from kda_decode_gpu import copy_bandwidth
@@ -132,16 +139,17 @@ def main() -> None:
                                                         interpret=args.smoke)}
         for config in args.configs.split(","):
             block_v, stages = (int(n) for n in config.split("x"))
-            variants[f"mosaic bv{block_v}s{stages}"] = functools.partial(
-                mosaic_step, block_v=min(block_v, dim), stages=stages, ctas=4 if args.smoke else 132,
-                interpret=args.smoke,
-            )
+            for swizzled in (False, True) if args.swizzled else (False,):
+                variants[f"mosaic bv{block_v}s{stages}{' swizzled' if swizzled else ''}"] = functools.partial(
+                    mosaic_step, block_v=min(block_v, dim), stages=stages, ctas=4 if args.smoke else 132,
+                    swizzled=swizzled, interpret=args.smoke,
+                )
         for name, step in variants.items():
             o, new = step(inputs, state)
             err = max(rel(o, o_ref), rel(new, s_ref))
             seconds, _ = time_loop(decode_loop(step, steps), jnp.copy(state), inputs, steps)
             bandwidth = 2 * state.size * 4 / seconds
-            print(f"B={batch} H={heads} {name:18s} err {err:.1e}  {seconds * 1e6:9.2f} us  "
+            print(f"B={batch} H={heads} {name:27s} err {err:.1e}  {seconds * 1e6:9.2f} us  "
                   f"{bandwidth / 1e12:5.2f} TB/s  {100 * bandwidth / copy:5.1f}% of copy", flush=True)
             assert np.isfinite(err) and err < 1e-4, f"{name} disagrees with the library step: {err:.1e}"
 
