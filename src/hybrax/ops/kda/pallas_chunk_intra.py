@@ -125,24 +125,22 @@ def _row_block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[
     blocks stacked. A quarter of the masked form's dot work and of its left-hand exponentials, at the
     cost of stacking the blocks once per chunk."""
     chunk, dk = q_ref.shape
-    sub_chunks = chunk // SUB
 
     def accumulate(index, blocks):
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates, keys = g_ref[:, cols], k_ref[:, cols].astype(jnp.float32)
-        updated = []
-        for a, (kk, qk) in enumerate(zip(blocks[:sub_chunks], blocks[sub_chunks:])):
+        kk_blocks, qk_blocks = [], []
+        for a, (kk, qk) in enumerate(zip(*blocks)):
             rows = pl.ds(a * SUB, SUB)
             to_start, from_start = row_block_decay(g_ref, gates, cols, a)
             right = keys * from_start
-            kk = kk + mm_t(k_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision)
-            qk = qk + mm_t(q_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision)
-            updated.append((kk, qk))
-        return tuple(kk for kk, _ in updated) + tuple(qk for _, qk in updated)
+            kk_blocks.append(kk + mm_t(k_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision))
+            qk_blocks.append(qk + mm_t(q_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision))
+        return tuple(kk_blocks), tuple(qk_blocks)
 
-    zeros = tuple(jnp.zeros((SUB, chunk), jnp.float32) for _ in range(2 * sub_chunks))
-    blocks = lax.fori_loop(0, dk // block_k, accumulate, zeros)
-    return stack_rows(list(blocks[:sub_chunks])), stack_rows(list(blocks[sub_chunks:]))
+    zeros = tuple(jnp.zeros((SUB, chunk), jnp.float32) for _ in range(chunk // SUB))
+    kk_blocks, qk_blocks = lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
+    return stack_rows(list(kk_blocks)), stack_rows(list(qk_blocks))
 
 
 def _intra_kernel(
