@@ -211,23 +211,18 @@ def staged(row: dict, name: str, fn, *args):
 # (asynchronous copies of the next K slice or chunk while the current one computes).
 INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k32w4s1": dict(block_k=32, num_warps=4, num_stages=1),
-                  "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4),
-                  "rows_k32w4s3": dict(block_k=32, num_warps=4, num_stages=3, row_blocks=True),
-                  "rows_k64w4s3": dict(block_k=64, num_warps=4, num_stages=3, row_blocks=True),
-                  "rows_k32w8s3": dict(block_k=32, num_warps=8, num_stages=3, row_blocks=True)}
+                  "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
-                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4),
-                      "rows_k16w4s3": dict(block_k=16, num_warps=4, num_stages=3, row_blocks=True),
-                      "rows_k32w4s3": dict(block_k=32, num_warps=4, num_stages=3, row_blocks=True)}
+                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
 GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3),
                  "k32v64w4s1": dict(block_k=32, block_v=64, num_warps=4, num_stages=1),
                  "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4)}
 STATE_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
                   "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                   "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
-STATE_BWD_VARIANTS = {"v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
-                      "v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
+STATE_BWD_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
+                      "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                       "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
 # The backward's recompute of w, u, kg, qg from the kept T (whole K and V per program: no loop to
 # pipeline but the row loads).

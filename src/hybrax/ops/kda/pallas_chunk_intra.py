@@ -15,9 +15,9 @@ exp(STEEP) in some channel (gates of -1000), the diagonal blocks are recomputed 
 exp(min(G_i - G_j, 0)), so the kernel never overflows and very negative gates underflow to exactly 0.
 Three quarters of each dot's left operand is zeros: on the H200 the tensor cores absorb that, and this
 took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
-(1, 8192, 32, 128) bf16 (BENCHMARKS.md). With `row_blocks` the masked dots give way to [16, C] row
-blocks, stacked into the tile afterwards (a quarter of the dot work; not yet timed on the GPU, where
-the stacking's layout conversions may cost what the dots save). T follows by doubling on the whole tile.
+(1, 8192, 32, 128) bf16 (BENCHMARKS.md). [16, C] row blocks stacked into the tile afterwards do a
+quarter of the dot work but took 1.82 ms there against 0.75: Triton's stacking (join, transpose,
+reshape) costs far more than the zeros. T follows by doubling on the whole tile.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from jax.experimental.pallas import triton as pltriton
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
-    stack_rows,
 )
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
@@ -70,14 +69,6 @@ def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, ja
     start = g_ref[a * SUB, slice_k][None, :]
     in_a = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB == a
     to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
-    return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
-
-
-def row_block_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, jax.Array]:
-    """`split_decay` for row blocks: exp(G_i - G_r) on sub-chunk a's rows only ([SUB, BK]) and
-    exp(G_r - G_j) on every row ([C, BK], clamped at exp(STEEP))."""
-    start = g_ref[a * SUB, slice_k][None, :]
-    to_start = jnp.exp(g_ref[pl.ds(a * SUB, SUB), slice_k] - start)
     return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
 
 
@@ -119,37 +110,12 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
     return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
 
 
-def _row_block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
-    """`_factored_scores` with [SUB, C] row blocks instead of masked [C, C] tiles: sub-chunk a's rows
-    (k or q times exp(G_i - G_r), read as [SUB, BK] slices of the refs) against every key, then the
-    blocks stacked. A quarter of the masked form's dot work and of its left-hand exponentials, at the
-    cost of stacking the blocks once per chunk."""
-    chunk, dk = q_ref.shape
-
-    def accumulate(index, blocks):
-        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        gates, keys = g_ref[:, cols], k_ref[:, cols].astype(jnp.float32)
-        kk_blocks, qk_blocks = [], []
-        for a, (kk, qk) in enumerate(zip(*blocks)):
-            rows = pl.ds(a * SUB, SUB)
-            to_start, from_start = row_block_decay(g_ref, gates, cols, a)
-            right = keys * from_start
-            kk_blocks.append(kk + mm_t(k_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision))
-            qk_blocks.append(qk + mm_t(q_ref[rows, cols].astype(jnp.float32) * to_start, right, jnp.float32, precision))
-        return tuple(kk_blocks), tuple(qk_blocks)
-
-    zeros = tuple(jnp.zeros((SUB, chunk), jnp.float32) for _ in range(chunk // SUB))
-    kk_blocks, qk_blocks = lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
-    return stack_rows(list(kk_blocks)), stack_rows(list(qk_blocks))
-
-
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
-    block_k: int, block_v: int, row_blocks: bool, precision, compute_dtype, wy_precision,
+    block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
     rows, cols = index_grid(q_ref.shape[0])
-    scores = _row_block_scores if row_blocks else _factored_scores
-    akk, aqk = scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
+    akk, aqk = _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
     exact_kk, exact_qk = lax.cond(steep_chunk(g_ref), lambda: _exact_scores(q_ref, k_ref, g_ref), lambda: (akk, aqk))
     diagonal = (rows // SUB) == (cols // SUB)
     akk, aqk = jnp.where(diagonal, exact_kk, akk), jnp.where(diagonal, exact_qk, aqk)
@@ -163,13 +129,11 @@ def _intra_kernel(
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "row_blocks", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
     chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
-    row_blocks: bool = False, interpret: bool = False,
+    interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
     log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
@@ -184,7 +148,7 @@ def chunk_intra(
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv), row_blocks=row_blocks,
+        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
         precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)

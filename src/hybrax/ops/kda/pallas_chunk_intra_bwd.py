@@ -14,14 +14,11 @@ rows outside a are dropped by the row factor, zero there). A chunk with a steep 
 STEEP within 16 rows: the split factors would overflow) takes its diagonal blocks column by column from
 exp(min(G_i - G_j, 0)) instead. Each K slice's rows of dq, dk, dG are final when its pass ends. On the
 H200 at (1, 8192, 32, 128) this took 1.245 ms against 1.346 for 16x16 block pairs (BENCHMARKS.md).
-With `row_blocks` the dots take only a's [16, C] rows of the cotangent tiles (a quarter of the work)
-and the row sums are stacked afterwards; not yet timed on the GPU.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_intra import row_block_decay, split_decay, steep_chunk
+from hybrax.ops.kda.pallas_chunk_intra import split_decay, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, pipeline_stages, solve_precision, stack_rows,
+    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, pipeline_stages, solve_precision,
 )
 
 
@@ -54,68 +51,11 @@ def _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k, diagon
     return lax.fori_loop(0, chunk, column, (zeros, zeros, zeros))
 
 
-class Chunk(NamedTuple):
-    """One program's refs and its [C, C] cotangent tiles (diagonal blocks zeroed in a steep chunk)."""
-
-    q_ref: Any
-    k_ref: Any
-    g_ref: Any
-    beta_ref: Any
-    daqk_ref: Any
-    dakk_ref: Any
-    p_off: jax.Array
-    d_off: jax.Array
-    r_off: jax.Array
-    steep: jax.Array
-
-
-def _masked_sums(c: Chunk, queries, keys, gates, slice_k, precision):
-    """(Y_q, Y_k, Z) of one K slice from [C, C] x [C, BK] dots per sub-chunk, its rows kept by masks."""
-    p_off, d_off, r_off, g_ref = c.p_off, c.d_off, c.r_off, c.g_ref
-    sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
-    zeros = jnp.zeros(gates.shape, jnp.float32)
-    y_q, y_k, z = zeros, zeros, zeros
-    for a in range(gates.shape[0] // SUB):
-        in_a = sub_chunk == a
-        to_start, from_start = split_decay(g_ref, gates, slice_k, a)
-        right = keys * from_start
-        y_q = y_q + jnp.where(in_a, mm(p_off, right, jnp.float32, precision), 0.0) * to_start
-        y_k = y_k + jnp.where(in_a, mm(d_off, right, jnp.float32, precision), 0.0) * to_start
-        column = mm_tn(p_off, queries * to_start, jnp.float32, precision)
-        z = z + (column + mm_tn(r_off, keys * to_start, jnp.float32, precision)) * from_start
-    return y_q, y_k, z
-
-
-def _row_block_sums(c: Chunk, queries, keys, gates, slice_k, precision):
-    """`_masked_sums` from sub-chunk a's [SUB, C] rows of P, D and beta D only (read from the refs,
-    masked as the whole tiles are): a quarter of the dot work; Y_q and Y_k are stacked from their
-    row blocks."""
-    chunk = gates.shape[0]
-    block_columns = lax.broadcasted_iota(jnp.int32, (SUB, chunk), 1) // SUB
-    z = jnp.zeros(gates.shape, jnp.float32)
-    y_q, y_k = [], []
-    for a in range(chunk // SUB):
-        rows = pl.ds(a * SUB, SUB)
-        to_start, from_start = row_block_decay(c.g_ref, gates, slice_k, a)
-        right = keys * from_start
-        drop = c.steep & (block_columns == a)
-        p_a = jnp.where(drop, 0.0, c.daqk_ref[rows, :])
-        d_a = jnp.where(drop, 0.0, c.dakk_ref[rows, :])
-        r_a = d_a * c.beta_ref[rows].astype(jnp.float32)[:, None]
-        y_q.append(mm(p_a, right, jnp.float32, precision) * to_start)
-        y_k.append(mm(d_a, right, jnp.float32, precision) * to_start)
-        queries_a = c.q_ref[rows, slice_k].astype(jnp.float32) * to_start
-        keys_a = c.k_ref[rows, slice_k].astype(jnp.float32) * to_start
-        column = mm_tn(p_a, queries_a, jnp.float32, precision) + mm_tn(r_a, keys_a, jnp.float32, precision)
-        z = z + column * from_start
-    return stack_rows(y_q), stack_rows(y_k), z
-
-
 def _intra_bwd_kernel(
-    q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, block_k, row_blocks,
-    precision,
+    q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, block_k, precision
 ):
     chunk = q_ref.shape[0]
+    n_sub = chunk // SUB
     rows, cols = index_grid(chunk)
     diagonal = (rows // SUB) == (cols // SUB)
     steep = steep_chunk(g_ref)
@@ -124,15 +64,22 @@ def _intra_bwd_kernel(
     r = d * betas
     # In a steep chunk the diagonal blocks leave the factored dots (their clamped factors are wrong there).
     p_off, d_off, r_off = (jnp.where(steep & diagonal, 0.0, x) for x in (p, d, r))
-    c = Chunk(q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, p_off, d_off, r_off, steep)
-    sums = _row_block_sums if row_blocks else _masked_sums
 
     def slice_pass(index, dbeta):
         slice_k = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, slice_k]
         queries, keys = q_ref[:, slice_k].astype(jnp.float32), k_ref[:, slice_k].astype(jnp.float32)
+        sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
         zeros = jnp.zeros(gates.shape, jnp.float32)
-        y_q, y_k, z = sums(c, queries, keys, gates, slice_k, precision)
+        y_q, y_k, z = zeros, zeros, zeros
+        for a in range(n_sub):
+            in_a = sub_chunk == a
+            to_start, from_start = split_decay(g_ref, gates, slice_k, a)
+            right = keys * from_start
+            y_q = y_q + jnp.where(in_a, mm(p_off, right, jnp.float32, precision), 0.0) * to_start
+            y_k = y_k + jnp.where(in_a, mm(d_off, right, jnp.float32, precision), 0.0) * to_start
+            column = mm_tn(p_off, queries * to_start, jnp.float32, precision)
+            z = z + (column + mm_tn(r_off, keys * to_start, jnp.float32, precision)) * from_start
         exact = lax.cond(
             steep,
             lambda: _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k, diagonal),
@@ -147,13 +94,11 @@ def _intra_bwd_kernel(
     dbeta_ref[...] = lax.fori_loop(0, q_ref.shape[1] // block_k, slice_pass, jnp.zeros((chunk,), jnp.float32))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("chunk", "block_k", "num_warps", "num_stages", "row_blocks", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "num_stages", "interpret"))
 def chunk_intra_bwd(
     q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, daqk: jax.Array, dakk: jax.Array, *,
     chunk: int = 64, block_k: int = 16, num_warps: int = 4, num_stages: int | None = None,
-    row_blocks: bool = False, interpret: bool = False,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, K] (prepared); g [B, T, HV, K] (G, fp32); beta [B, T, HV]; dA_qk, dA_kk
     [B, T, HV, chunk] fp32 (masked).
@@ -171,9 +116,7 @@ def chunk_intra_bwd(
     beta_spec = chunk_column_spec(chunk)
     token_shape = (batch, length, value_heads)
     keys_out = jax.ShapeDtypeStruct((*token_shape, dk), jnp.float32)
-    kernel = functools.partial(
-        _intra_bwd_kernel, block_k=block_k, row_blocks=row_blocks, precision=solve_precision(interpret, q.dtype)
-    )
+    kernel = functools.partial(_intra_bwd_kernel, block_k=block_k, precision=solve_precision(interpret, q.dtype))
     return pl.pallas_call(
         kernel,
         grid=(length // chunk, value_heads, batch),

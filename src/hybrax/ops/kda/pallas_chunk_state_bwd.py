@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from hybrax.ops.kda.pallas_chunk_state import Segments, emit, restart, state_pass_call, state_tile
-from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn
+from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn, pipeline_stages
 
 
 def _state_bwd_kernel(
@@ -67,7 +67,7 @@ def _state_bwd_kernel(
 def chunk_state_bwd(
     qg: jax.Array, kg: jax.Array, w: jax.Array, aqk: jax.Array, d_out: jax.Array, decay: jax.Array,
     d_final: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+    num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qg, kg, w [B, T, HV, K]; A_qk [B, T, HV, chunk]; dO [B, T, HV, V] (all one dtype); decay
     [B, NT, HV, K] fp32; d_final [B, HV, K, V] or None ([N, HV, K, V] with `segments`, B = 1).
@@ -79,6 +79,7 @@ def chunk_state_bwd(
     _, precision = dot_settings(w.dtype, interpret)
     return state_pass_call(
         functools.partial(_state_bwd_kernel, chunk=chunk, precision=precision), (qg, kg, w, aqk), d_out, decay,
-        d_final, segments, chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret, name="kda_chunk_state_bwd",
+        d_final, segments, chunk=chunk, block_v=block_v, num_warps=num_warps,
+        num_stages=num_stages or pipeline_stages(w.dtype, w.shape[3], before=2), interpret=interpret,
+        name="kda_chunk_state_bwd",
     )

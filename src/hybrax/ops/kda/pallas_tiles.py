@@ -14,8 +14,9 @@ from jax.experimental import pallas as pl
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
 # Triton's software pipelining of the kernels' loops over K slices and chunks (the next slice's loads
 # issued as asynchronous copies while the current one computes). At (1, 8192, 32, 128) bf16 on the
-# H200, 3 stages against 1 (2 for the state pass): stage 1 0.797 -> 0.758 ms, state pass 0.291 ->
-# 0.223, grad 0.988 -> 0.870, intra backward 1.250 -> 1.121 (BENCHMARKS.md).
+# H200, 3 stages against 1 (2 for the state passes): stage 1 0.797 -> 0.758 ms, state pass 0.291 ->
+# 0.223, reverse state pass 0.331 -> 0.269, grad 0.988 -> 0.870, intra backward 1.250 -> 1.121
+# (BENCHMARKS.md).
 PIPELINE_STAGES = 3
 EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding
 # fp32 dots on the GPU (A_kk, A_qk, T; every dot of fp32 inputs): for fp32 inputs three tf32 passes on the
@@ -29,9 +30,12 @@ BF16_INPUT_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32
 
 def pipeline_stages(dtype, dk: int, before: int = 1) -> int:
     """The kernels' `num_stages` for inputs of `dtype` and K = dk: PIPELINE_STAGES where that was
-    measured (bf16, K <= 128); elsewhere the earlier setting `before`, since every stage keeps another
-    set of slices in shared memory (fp32 and K = 256 double them) and more were never compiled there."""
-    return PIPELINE_STAGES if dtype == jnp.bfloat16 and dk <= 128 else before
+    measured (bf16, K <= 128); for fp32 up to K = 128 the earlier setting `before`; one stage at K = 256,
+    where every stage keeps another set of [C, K] slices in shared memory: the reverse state pass with
+    two asked the H200 for 241664 bytes (bf16) of its 232448."""
+    if dk > 128:
+        return 1
+    return PIPELINE_STAGES if dtype == jnp.bfloat16 else before
 
 
 def solve_precision(interpret: bool, dtype=jnp.float32):
@@ -66,19 +70,6 @@ def mm_tn(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
         a.astype(dtype), b.astype(dtype), (((0,), (0,)), ((), ())),
         precision=precision, preferred_element_type=jnp.float32,
     )
-
-
-def stack_rows(blocks: list[jax.Array]) -> jax.Array:
-    """Row blocks [r, c] (a power of two of them) stacked into one [n r, c] tile, in order. Triton has
-    no concatenation along rows: each pair goes through a new minor axis (join), a transpose and a
-    reshape."""
-    while len(blocks) > 1:
-        pairs = zip(blocks[::2], blocks[1::2])
-        blocks = [
-            jnp.transpose(jnp.stack([top, bottom], axis=-1), (2, 0, 1)).reshape(2 * top.shape[0], top.shape[1])
-            for top, bottom in pairs
-        ]
-    return blocks[0]
 
 
 def chunk_rows_spec(chunk: int, width: int, group: int = 1) -> pl.BlockSpec:
