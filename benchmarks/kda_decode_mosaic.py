@@ -92,10 +92,15 @@ def mosaic_step(inputs, state, *, block_v: int = 64, ctas: int = 132, stages: in
     )
     def kernel(state_gmem, q_gmem, k_gmem, decay_gmem, v_gmem, beta_gmem, state_out_gmem, o_gmem, o_smem):
         def body(indices, state_smem, q_smem, k_smem, decay_smem, v_smem, beta_smem):
-            keys, queries = k_smem[...], q_smem[...]
-            tile = state_smem[...] * lax.broadcast_in_dim(jnp.exp(decay_smem[...]), (dk, block_v), [0])
+            # Explicit register layouts (Mosaic GPU's inference finds none by itself): the tile as a wgmma
+            # accumulator, the [K] vectors as its rows' layout, the [BV] vectors as its columns'.
+            rows, columns = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+            keys, queries, decay = (plgpu.load(ref, layout=rows) for ref in (k_smem, q_smem, decay_smem))
+            values, betas = (plgpu.load(ref, layout=columns) for ref in (v_smem, beta_smem))
+            tile = plgpu.load(state_smem, layout=plgpu.Layout.WGMMA)
+            tile = tile * lax.broadcast_in_dim(jnp.exp(decay), (dk, block_v), [0])
             keys_2d = lax.broadcast_in_dim(keys, (dk, block_v), [0])
-            error = beta_smem[...] * (v_smem[...] - jnp.sum(tile * keys_2d, axis=0))
+            error = betas * (values - jnp.sum(tile * keys_2d, axis=0))
             tile = tile + keys_2d * lax.broadcast_in_dim(error, (dk, block_v), [1])
             # The new tile goes back through its own input slot (emit_pipeline's output copies are
             # predicated, which GPU interpret mode cannot run); the slot is reused once this returns,
