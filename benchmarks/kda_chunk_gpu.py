@@ -370,7 +370,7 @@ def main() -> None:
 
     print(f"GPU: {torch.cuda.get_device_name()}  jax {jax.__version__}  torch {torch.__version__}", flush=True)
     rows = []
-    for shape in SHAPES[args.first : args.shapes]:
+    for shape in SHAPES[args.first : args.first + args.shapes]:
         try:
             rows.append(bench_shape(shape, args, len(rows)))
         except Exception as exc:  # keep the other shapes' numbers
