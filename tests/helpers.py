@@ -1,4 +1,4 @@
-"""Shared test helpers: relative error against float64 references, random inputs."""
+"""Shared test helpers: relative error against float64 references, random inputs, lowering for a GPU."""
 
 from __future__ import annotations
 
@@ -30,3 +30,10 @@ def normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32, scale: f
 
 def to64(x: Any) -> np.ndarray | None:
     return None if x is None else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def lower_for_h200(fn, *args) -> str:
+    """The StableHLO text of fn(*args) (ShapeDtypeStructs) lowered for an H200, without one."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -16,8 +16,8 @@ from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_chunked import kda_chunk
-from tests.helpers import TOLERANCE, assert_close, normal
-from tests.ops.kda.test_pallas_chunk_fwd import abstract_inputs, inputs, lower_for_h200, pipeline_stages_of
+from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal
+from tests.ops.kda.test_pallas_chunk_fwd import abstract_inputs, inputs, pipeline_stages_of
 
 SCAN = KernelDeltaAttentionConfig("xla", "scan")
 

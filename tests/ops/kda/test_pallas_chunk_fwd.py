@@ -21,7 +21,7 @@ from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunk
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd
 from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_state import Segments
-from tests.helpers import TOLERANCE, assert_close, normal, to64
+from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
 
 def inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates=False):
@@ -193,13 +193,6 @@ def test_auto_on_a_gpu(length, dim, packed, chosen):
     inv = kernel.invocation(kernel.prepare(q, k, v, beta, g, cu_seqlens=cu_seqlens))
     on_gpu = dataclasses.replace(inv, device="gpu", device_kind="NVIDIA H200")
     assert kernel.implementations(on_gpu)[0].name == chosen
-
-
-def lower_for_h200(fn, *args) -> str:
-    """The StableHLO text of fn(*args) (ShapeDtypeStructs) lowered for an H200, without one."""
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def abstract_inputs(dtype, packed: bool, dim: int = 128) -> list:

@@ -1,0 +1,123 @@
+"""Shared memory of each Triton kernel of the KDA Pallas path on an H200, estimated without a GPU.
+
+Only the GPU's compiler says how much shared memory a Triton kernel asks for, and a kernel asking for
+more than the H200's 232448 bytes fails when it first runs (K = 256 did, 2026-12-04). This lowers the
+chunked forward and backward for an H200 (`lowering_platforms=("cuda",)`), reads each Triton call's IR
+with jaxlib's Triton dialect and compiles it with upstream Triton for sm_90 (ptxas ships in its wheel).
+Upstream's passes are not XLA's: Triton 3.9 estimated 237568 bytes where XLA asked for 241664. Triton is
+not a dependency; put a wheel's contents in an ignored folder and name it:
+
+    .venv/bin/python -m pip download -q --no-deps --python-version 3.12 \
+        --platform manylinux_2_27_x86_64 --only-binary=:all: -d .whl triton==3.6.0
+    .venv/bin/python -m pip install -q --no-deps --target .whl/triton-site .whl/triton-3.6.0-*.whl
+    PYTHONPATH=src .venv/bin/python scripts/triton_shared_memory.py --triton .whl/triton-site [--dtype fp32 --dim 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jaxlib.triton import dialect as triton_dialect
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its tests
+from hybrax.ops.kda.pallas_chunked import kda_chunk  # noqa: E402
+from tests.helpers import lower_for_h200  # noqa: E402
+
+H200_SHARED_MEMORY = 232448  # bytes per block, what the H200 reported when a kernel asked for more
+TRITON_CALL = re.compile(r'ir = "((?:[^"\\]|\\.)*)", name = "([a-z_]+)", num_stages = (\d+) : i32, num_warps = (\d+)')
+
+# Run in a second interpreter with upstream Triton on its path (it must not meet jaxlib's MLIR in one
+# process): compile each (name, stages, warps, path of the IR text) for sm_90, print their bytes as JSON.
+COMPILE = """
+import json, os, sys
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+import triton
+from triton.backends.compiler import GPUTarget
+shared = []
+for name, stages, warps, path in json.load(sys.stdin):
+    options = dict(num_stages=stages, num_warps=warps)
+    shared.append(triton.compile(path, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared)
+print(json.dumps(shared))
+"""
+
+
+def unescape(text: str) -> bytes:
+    """The bytes of a StableHLO string attribute (\\XX hex escapes, \\\\, \\")."""
+    out, index = bytearray(), 0
+    while index < len(text):
+        if text[index] != "\\":
+            out += text[index].encode()
+            index += 1
+        elif text[index + 1] in '\\"':
+            out.append(ord(text[index + 1]))
+            index += 2
+        else:
+            out.append(int(text[index + 1 : index + 3], 16))
+            index += 3
+    return bytes(out)
+
+
+def triton_calls(text: str, directory: str) -> list[tuple[str, int, int, str]]:
+    """(name, num_stages, num_warps, path of its IR as text) of each Triton call in lowered text."""
+    calls = []
+    for number, (bytecode, name, stages, warps) in enumerate(TRITON_CALL.findall(text)):
+        context = ir.Context()
+        triton_dialect.register_dialect(context)
+        with context:
+            module = ir.Module.parse(unescape(bytecode))
+        path = os.path.join(directory, f"{number}_{name}.ttir")
+        with open(path, "w") as f:
+            f.write(module.operation.get_asm(enable_debug_info=False))
+        calls.append((name, int(stages), int(warps), path))
+    return calls
+
+
+def kda_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, str]]:
+    """The Triton calls of the chunked forward, then of the gradient (its recomputed forward and backward)."""
+    batch, length, heads = 1, 128, 2
+    tokens = (batch, length, heads, dim)
+    shapes = [(tokens, dtype)] * 3 + [(tokens, jnp.float32), ((batch, length, heads), jnp.float32),
+                                      ((batch, heads, dim, dim), jnp.float32)]
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+
+    def forward(*arrays):
+        return kda_chunk(*arrays, None, dim ** -0.5, True, 64, False)
+
+    def loss(*arrays):
+        out, state = forward(*arrays)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
+
+    gradient = jax.grad(loss, argnums=tuple(range(6)))
+    return [call for fn in (forward, gradient) for call in triton_calls(lower_for_h200(fn, *args), directory)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--triton", required=True, help="folder holding upstream Triton (a wheel's contents)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--dim", type=int, default=128, help="K = V")
+    args = parser.parse_args()
+    dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.dtype]
+    with tempfile.TemporaryDirectory() as directory:
+        calls = kda_calls(dtype, args.dim, directory)
+        compiled = subprocess.run(
+            [sys.executable, "-c", COMPILE], input=json.dumps(calls), capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONPATH": args.triton},
+        )
+    print(f"KDA chunked, {args.dtype}, K = V = {args.dim}; shared memory by upstream Triton for sm_90 (bytes)")
+    for (name, stages, warps, _), shared in zip(calls, json.loads(compiled.stdout)):
+        over = "  OVER the H200's limit" if shared > H200_SHARED_MEMORY else ""
+        print(f"{name:22s} stages {stages}  warps {warps}  {shared:7d}{over}")
+
+
+if __name__ == "__main__":
+    main()
