@@ -4,8 +4,9 @@
     stage 1  pallas_chunk_intra     A_kk, A_qk, T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and
                                     the chunk's decay (per chunk; the backward, which keeps T and A_qk,
                                     recomputes the rest with pallas_chunk_wy)
-    stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks
-    stage 3  pallas_chunk_output    o = qg h + A_qk v_new (per chunk)
+    stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks; in the forward
+                                    (chunk_state_output) each chunk's o = qg h + A_qk v_new too, so the
+                                    chunk states h never leave the chip (the backward recomputes them)
 
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
 >= 16; zero keys, values, gates and betas leave the state untouched) and crops the results;
@@ -22,9 +23,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_output import chunk_output
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
-from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state
+from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state, chunk_state_output
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.xla_scan import l2_normalize
 
@@ -107,24 +107,26 @@ class Solved(NamedTuple):
     aqk: jax.Array
 
 
-def forward_stages(
-    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None, *,
-    chunk: int, block_v: int = 32, state_warps: int = 4, interpret: bool = False,
-) -> Stages:
-    """The stages on padded inputs, with q and k already through `prepare_qk` (given T and A_qk, stage
-    1 only recomputes the WY form)."""
+def solve_chunks(
+    x: Padded, q: jax.Array, k: jax.Array, solved: Solved | None, *, chunk: int, interpret: bool,
+) -> tuple[jax.Array, Solved, tuple[jax.Array, ...]]:
+    """Stages 0 and 1 on padded inputs, with q and k already through `prepare_qk`: G, (T, A_qk) and the
+    WY form (w, u, kg, qg, decay). Given T and A_qk, stage 1 only recomputes the WY form."""
     g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
     if solved is None:
         scores, wy = chunk_intra(q, k, x.v, g, x.beta, chunk=chunk, interpret=interpret)
-        solved = Solved(*scores)
-    else:
-        wy = chunk_wy(q, k, x.v, g, x.beta, solved.inverse, chunk=chunk, interpret=interpret)
-    inverse, aqk = solved
-    w, u, kg, qg, decay = wy
-    h, v_new, final_state = chunk_state(
-        w, u, kg, decay, x.initial_state, segments, chunk=chunk, block_v=block_v, num_warps=state_warps,
-        interpret=interpret,
-    )
+        return g, Solved(*scores), wy
+    return g, solved, chunk_wy(q, k, x.v, g, x.beta, solved.inverse, chunk=chunk, interpret=interpret)
+
+
+def forward_stages(
+    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None, *,
+    chunk: int, interpret: bool = False,
+) -> Stages:
+    """What the backward needs of the forward, on padded inputs (`solve_chunks`, then the state pass
+    storing every chunk's state)."""
+    g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(x, q, k, solved, chunk=chunk, interpret=interpret)
+    h, v_new, final_state = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
     return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new, final_state)
 
 
@@ -164,15 +166,16 @@ def kda_chunk_fwd_solved(
     """
     length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
-    s = forward_stages(
-        x, *prepare_qk(x.q, x.k, scale, l2_normalize), segments, chunk=chunk, block_v=block_v,
-        state_warps=state_warps, interpret=interpret,
+    _, solved, (w, u, kg, qg, decay) = solve_chunks(
+        x, *prepare_qk(x.q, x.k, scale, l2_normalize), None, chunk=chunk, interpret=interpret
     )
-    o = chunk_output(s.qg, s.h, s.aqk, s.v_new, chunk=chunk, interpret=interpret)
-    final_state = s.final_state
+    o, final_state = chunk_state_output(
+        w, u, kg, decay, qg, solved.aqk, x.initial_state, segments, chunk=chunk, block_v=block_v,
+        num_warps=state_warps, interpret=interpret,
+    )
     if segments is not None:  # a sequence without tokens ends where it began
         final_state = jnp.where(has_chunks(segments, final_state.shape[0]), final_state, x.initial_state)
-    return o[:, :length, :, :dv], final_state[:, :, :dk, :dv], Solved(s.inverse, s.aqk)
+    return o[:, :length, :, :dv], final_state[:, :, :dk, :dv], solved
 
 
 def has_chunks(segments: Segments, sequences: int) -> jax.Array:
