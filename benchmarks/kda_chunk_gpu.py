@@ -220,6 +220,13 @@ GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_sta
 STATE_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
                   "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                   "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
+# The forward's state pass with the output: each chunk adds two dots off the recurrence's critical path,
+# so fewer value columns per program (more programs in flight per SM) may hide them better.
+STATE_OUTPUT_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4),
+                         "v16w4": dict(block_v=16, num_warps=4),
+                         "v16w2": dict(block_v=16, num_warps=2),
+                         "v64w4": dict(block_v=64, num_warps=4),
+                         "v32w8": dict(block_v=32, num_warps=8)}
 STATE_BWD_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
                       "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                       "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
@@ -268,7 +275,10 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
     h, v_new, _ = time_variants(
         row, "state", STATE_VARIANTS, swept, lambda s: lambda *a: chunk_state(*a, None, **s), w, u, kg, decay
     )
-    staged(row, "state_output", jax.jit(lambda *a: chunk_state_output(*a, None)), w, u, kg, decay, qg, aqk)
+    time_variants(
+        row, "state_output", STATE_OUTPUT_VARIANTS, swept, lambda s: lambda *a: chunk_state_output(*a, None, **s),
+        w, u, kg, decay, qg, aqk,
+    )
     # The backward's kernels, on a random output cotangent.
     d_out = jax.random.normal(jax.random.key(2), v.shape, v.dtype)
     time_variants(
@@ -361,7 +371,7 @@ def main() -> None:
     parser.add_argument("--tokamax", action="store_true", help="also tokamax's xla_chunked KDA (its wheels carried)")
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
     parser.add_argument("--sweep", default="", help="kernels whose launch variants to time: all, or some of "
-                        "intra,state,wy,state_bwd,grad,intra_bwd (comma-separated)")
+                        "intra,state,state_output,wy,state_bwd,grad,intra_bwd (comma-separated)")
     parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
@@ -382,7 +392,8 @@ def main() -> None:
     default = lambda kernel, variants: f"{kernel}_{next(iter(variants))}_ms"  # noqa: E731
     columns = ["shape", "err_ours", "err_state", "err_fla", "err_tokamax", "fla_ms", "pallas_ms", "ratio", "xla_ms",
                "tokamax_ms", "tokamax_fb_ms",
-               "prepare_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS), "state_output_ms",
+               "prepare_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS),
+               default("state_output", STATE_OUTPUT_VARIANTS),
                default("wy", WY_VARIANTS), default("state_bwd", STATE_BWD_VARIANTS), default("grad", GRAD_VARIANTS),
                default("intra_bwd", INTRA_BWD_VARIANTS),
                "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB",
