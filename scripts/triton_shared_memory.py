@@ -5,12 +5,13 @@ more than the H200's 232448 bytes fails when it first runs (K = 256 did, 2026-12
 chunked forward and backward for an H200 (`lowering_platforms=("cuda",)`), reads each Triton call's IR
 with jaxlib's Triton dialect and compiles it with upstream Triton for sm_90 (ptxas ships in its wheel).
 Upstream's passes are not XLA's: Triton 3.9 estimated 237568 bytes where XLA asked for 241664. Triton is
-not a dependency; put a wheel's contents in an ignored folder and name it:
+not a dependency; put a wheel's contents in the ignored `.triton/` (not `.whl/`, which travels to the
+GPU machine and has to stay small):
 
     .venv/bin/python -m pip download -q --no-deps --python-version 3.12 \
-        --platform manylinux_2_27_x86_64 --only-binary=:all: -d .whl triton==3.6.0
-    .venv/bin/python -m pip install -q --no-deps --target .whl/triton-site .whl/triton-3.6.0-*.whl
-    PYTHONPATH=src .venv/bin/python scripts/triton_shared_memory.py --triton .whl/triton-site [--dtype fp32 --dim 256]
+        --platform manylinux_2_27_x86_64 --only-binary=:all: -d .triton triton==3.6.0
+    .venv/bin/python -m pip install -q --no-deps --target .triton/site .triton/triton-3.6.0-*.whl
+    PYTHONPATH=src .venv/bin/python scripts/triton_shared_memory.py --triton .triton/site [--dtype fp32 --dim 256]
 """
 
 from __future__ import annotations
