@@ -1,8 +1,8 @@
-"""Shared memory of each Triton kernel of the KDA Pallas path on an H200, estimated without a GPU.
+"""Shared memory of each Triton kernel of the KDA Pallas paths on an H200, estimated without a GPU.
 
 Only the GPU's compiler says how much shared memory a Triton kernel asks for, and a kernel asking for
 more than the H200's 232448 bytes fails when it first runs (K = 256 did, 2026-12-04). This lowers the
-chunked forward and backward for an H200 (`lowering_platforms=("cuda",)`), reads each Triton call's IR
+chunked forward and backward (or the decode step) for an H200 (`lowering_platforms=("cuda",)`), reads each Triton call's IR
 with jaxlib's Triton dialect and compiles it with upstream Triton for sm_90 (ptxas ships in its wheel).
 Upstream's passes are not XLA's: Triton 3.9 estimated 237568 bytes where XLA asked for 241664. Triton is
 not a dependency; put a wheel's contents in the ignored `.triton/` (not `.whl/`, which travels to the
@@ -12,6 +12,7 @@ GPU machine and has to stay small):
         --platform manylinux_2_27_x86_64 --only-binary=:all: -d .triton triton==3.6.0
     .venv/bin/python -m pip install -q --no-deps --target .triton/site .triton/triton-3.6.0-*.whl
     PYTHONPATH=src .venv/bin/python scripts/triton_shared_memory.py --triton .triton/site [--dtype fp32 --dim 256]
+        [--op decode]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jaxlib.triton import dialect as triton_dialect
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its tests
 from hybrax.ops.kda.pallas_chunked import kda_chunk  # noqa: E402
+from hybrax.ops.kda.pallas_decode import fused_recurrent_decode, launch_params  # noqa: E402
 from tests.helpers import lower_for_h200  # noqa: E402
 
 H200_SHARED_MEMORY = 232448  # bytes per block, what the H200 reported when a kernel asked for more
@@ -101,23 +103,39 @@ def kda_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, str]
     return [call for fn in (forward, gradient) for call in triton_calls(lower_for_h200(fn, *args), directory)]
 
 
+def decode_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, str]]:
+    """The Triton call of one decode step for B = 64 requests, H = 32, with the library's launch."""
+    batch, heads = 64, 32
+    tokens = (batch, 1, heads, dim)
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
+        (tokens, dtype), (tokens, dtype), (tokens, dtype), (tokens, jnp.float32), ((batch, 1, heads), jnp.float32),
+        ((batch, heads, dim, dim), jnp.float32),
+    ]]
+
+    def step(q, k, v, g, beta, state):
+        return fused_recurrent_decode(q, k, v, g, beta, state, scale=dim ** -0.5, **launch_params(batch * heads, dim))
+
+    return triton_calls(lower_for_h200(step, *args), directory)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--triton", required=True, help="folder holding upstream Triton (a wheel's contents)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--dim", type=int, default=128, help="K = V")
+    parser.add_argument("--op", default="chunked", choices=["chunked", "decode"])
     args = parser.parse_args()
     dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.dtype]
     with tempfile.TemporaryDirectory() as directory:
-        calls = kda_calls(dtype, args.dim, directory)
+        calls = (kda_calls if args.op == "chunked" else decode_calls)(dtype, args.dim, directory)
         compiled = subprocess.run(
             [sys.executable, "-c", COMPILE], input=json.dumps(calls), capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONPATH": args.triton},
         )
-    print(f"KDA chunked, {args.dtype}, K = V = {args.dim}; shared memory by upstream Triton for sm_90 (bytes)")
+    print(f"KDA {args.op}, {args.dtype}, K = V = {args.dim}; shared memory by upstream Triton for sm_90 (bytes)")
     for (name, stages, warps, _), shared in zip(calls, json.loads(compiled.stdout)):
         over = "  OVER the H200's limit" if shared > H200_SHARED_MEMORY else ""
-        print(f"{name:22s} stages {stages}  warps {warps}  {shared:7d}{over}")
+        print(f"{name:26s} stages {stages}  warps {warps}  {shared:7d}{over}")
 
 
 if __name__ == "__main__":
