@@ -2,8 +2,9 @@
 
 Only the GPU's compiler says how much shared memory a Triton kernel asks for, and a kernel asking for
 more than the H200's 232448 bytes fails when it first runs (K = 256 did, 2026-12-04). This lowers the
-chunked forward and backward (or the decode step) for an H200 (`lowering_platforms=("cuda",)`), reads each Triton call's IR
-with jaxlib's Triton dialect and compiles it with upstream Triton for sm_90 (ptxas ships in its wheel).
+chunked forward and backward (or the decode step) for an H200 (`lowering_platforms=("cuda",)`), reads
+each Triton call's IR with jaxlib's Triton dialect and compiles it with upstream Triton for sm_90
+(ptxas ships in its wheel).
 Upstream's passes are not XLA's: Triton 3.9 estimated 237568 bytes where XLA asked for 241664. Triton is
 not a dependency; put a wheel's contents in the ignored `.triton/` (not `.whl/`, which travels to the
 GPU machine and has to stay small):
