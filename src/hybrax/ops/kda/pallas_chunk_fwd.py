@@ -97,14 +97,17 @@ class Stages(NamedTuple):
     decay: jax.Array  # [B, NT, HV, K] fp32
     h: jax.Array  # [B, NT, HV, K, V] the state entering each chunk
     v_new: jax.Array  # [B, T, HV, V]
-    final_state: jax.Array  # [B, HV, K, V] fp32
 
 
 class Solved(NamedTuple):
-    """T and A_qk from stage 1, [B, T, HV, C] each (padded): what the backward keeps from the forward."""
+    """What the backward keeps from the forward (padded): T and A_qk from stage 1, [B, T, HV, C] each,
+    and when the forward kept them (`keep_states`) the chunk states h and v_new, which the backward
+    otherwise recomputes with a state pass."""
 
     inverse: jax.Array
     aqk: jax.Array
+    h: jax.Array | None = None
+    v_new: jax.Array | None = None
 
 
 def solve_chunks(
@@ -124,10 +127,11 @@ def forward_stages(
     chunk: int, interpret: bool = False,
 ) -> Stages:
     """What the backward needs of the forward, on padded inputs (`solve_chunks`, then the state pass
-    storing every chunk's state)."""
-    g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(x, q, k, solved, chunk=chunk, interpret=interpret)
-    h, v_new, final_state = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
-    return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new, final_state)
+    storing every chunk's state unless the forward kept them)."""
+    g, (inverse, aqk, h, v_new), (w, u, kg, qg, decay) = solve_chunks(x, q, k, solved, chunk=chunk, interpret=interpret)
+    if h is None:
+        h, v_new, _ = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
+    return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new)
 
 
 def kda_chunk_fwd(*args, **kwargs) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
@@ -138,7 +142,7 @@ def kda_chunk_fwd(*args, **kwargs) -> tuple[Float[Array, "B T HV V"], Float[Arra
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "interpret"),
+    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "keep_states", "interpret"),
 )
 def kda_chunk_fwd_solved(
     q: Float[Array, "B T H K"],
@@ -154,10 +158,12 @@ def kda_chunk_fwd_solved(
     chunk: int = 64,
     block_v: int = 32,
     state_warps: int = 4,
+    keep_states: bool = False,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"], Solved]:
     """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and T and A_qk
-    (padded), which the backward takes instead of recomputing them.
+    (padded), which the backward takes instead of recomputing them; with `keep_states` also the chunk
+    states h and v_new (stored by the state pass: the backward then skips its own).
 
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the
@@ -169,10 +175,11 @@ def kda_chunk_fwd_solved(
     _, solved, (w, u, kg, qg, decay) = solve_chunks(
         x, *prepare_qk(x.q, x.k, scale, l2_normalize), None, chunk=chunk, interpret=interpret
     )
-    o, final_state = chunk_state_output(
+    *states, o, final_state = chunk_state_output(
         w, u, kg, decay, qg, solved.aqk, x.initial_state, segments, chunk=chunk, block_v=block_v,
-        num_warps=state_warps, interpret=interpret,
+        num_warps=state_warps, keep_states=keep_states, interpret=interpret,
     )
+    solved = Solved(solved.inverse, solved.aqk, *states)
     if segments is not None:  # a sequence without tokens ends where it began
         final_state = jnp.where(has_chunks(segments, final_state.shape[0]), final_state, x.initial_state)
     return o[:, :length, :, :dv], final_state[:, :, :dk, :dv], solved

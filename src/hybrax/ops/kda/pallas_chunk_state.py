@@ -58,14 +58,14 @@ def emit(state, flag_ref, out_ref, sequence, t) -> None:
         out_ref[sequence] = state
 
 
-def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool):
-    """The state pass. With `with_output` (the forward) the refs after w, kg begin with qg, A_qk, and
-    each chunk's output o = qg h + A_qk v_new is written in place of h and v_new (the backward's
-    recompute stores those instead)."""
-    if with_output:
-        qg_ref, aqk_ref, u_ref, decay_ref, h0_ref, sequence_ref, first_ref, last_ref, o_ref, final_ref = refs
-    else:
-        u_ref, decay_ref, h0_ref, sequence_ref, first_ref, last_ref, h_ref, v_new_ref, final_ref = refs
+def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool, store_states: bool):
+    """The state pass. With `with_output` the refs after w, kg begin with qg, A_qk, and each chunk's
+    output o = qg h + A_qk v_new is written; with `store_states` each chunk's h and v_new are (for the
+    backward). Outputs in that order: h, v_new, o, the final state."""
+    qg_ref, aqk_ref, *refs = refs if with_output else (None, None, *refs)
+    u_ref, decay_ref, h0_ref, sequence_ref, first_ref, last_ref, *outs = refs
+    h_ref, v_new_ref, *outs = outs if store_states else (None, None, *outs)
+    o_ref, final_ref = outs if with_output else (None, *outs)
     compute_dtype = w_ref.dtype
     packed = sequence_ref is not None
     shape = final_ref.shape[1:] if packed else final_ref.shape
@@ -80,7 +80,7 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
         v_new = (u_ref[rows, :].astype(jnp.float32) - dot(w_ref[rows, :], state_in)).astype(compute_dtype)
         if with_output:
             o_ref[rows, :] = (dot(qg_ref[rows, :], state_in) + dot(aqk_ref[rows, :], v_new)).astype(o_ref.dtype)
-        else:
+        if store_states:
             h_ref[t, :, :] = state_in.astype(h_ref.dtype)
             v_new_ref[rows, :] = v_new
         state = decay_ref[t, :][:, None] * state + mm_tn(kg_ref[rows, :], v_new, compute_dtype, precision)
@@ -98,7 +98,7 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
 def state_pass_call(
     kernel: Callable, rows: Sequence[jax.Array], values: jax.Array, decay: jax.Array, states: jax.Array | None,
     segments: Segments | None, *, chunk: int, block_v: int, num_warps: int, num_stages: int, interpret: bool,
-    name: str, chunk_states: bool = True,
+    name: str, chunk_states: bool = True, chunk_values: int = 1,
 ) -> tuple[jax.Array, ...]:
     """Launch a state pass: one program per (value block, value head, batch) over whole sequences.
 
@@ -106,7 +106,7 @@ def state_pass_call(
     states out); rows [B, T, HV, width] (any widths), values [B, T, HV, V], decay [B, NT, HV, K],
     states [B | N, HV, K, V] or None (required with `segments`). Returns ([B, NT, HV, K, V] and
     [B, T, HV, V] in the rows' dtype, [B | N, HV, K, V] fp32); without `chunk_states` the kernel has
-    no per-chunk states out and the call returns the other two.
+    no per-chunk states out, and with `chunk_values` = n it has n values outs (0 to 2).
     """
     batch, length, heads, dk = decay.shape[0], values.shape[1], values.shape[2], decay.shape[3]
     dv = values.shape[3]
@@ -134,15 +134,15 @@ def state_pass_call(
             None if states is None else state_spec, *[segment_spec] * 3,
         ],
         out_specs=[
-            pl.BlockSpec((None, n_chunks, None, dk, block_v), lambda j, h, b: (b, 0, h, 0, j)),
-            values_spec,
+            *[pl.BlockSpec((None, n_chunks, None, dk, block_v), lambda j, h, b: (b, 0, h, 0, j))] * chunk_states,
+            *[values_spec] * chunk_values,
             state_spec,
-        ][0 if chunk_states else 1:],
+        ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), dtype),
-            jax.ShapeDtypeStruct(values.shape, dtype),
+            *[jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), dtype)] * chunk_states,
+            *[jax.ShapeDtypeStruct(values.shape, dtype)] * chunk_values,
             jax.ShapeDtypeStruct((count, heads, dk, dv), jnp.float32),
-        ][0 if chunk_states else 1:],
+        ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
@@ -164,26 +164,33 @@ def chunk_state(
     """
     _, precision = dot_settings(w.dtype, interpret)
     return state_pass_call(
-        functools.partial(_state_kernel, chunk=chunk, precision=precision, with_output=False), (w, kg), u, decay,
+        functools.partial(_state_kernel, chunk=chunk, precision=precision, with_output=False, store_states=True),
+        (w, kg), u, decay,
         initial_state, segments, chunk=chunk, block_v=block_v, num_warps=num_warps,
         num_stages=num_stages or pipeline_stages(w.dtype, w.shape[3], before=2), interpret=interpret,
         name="kda_chunk_state",
     )
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "keep_states", "interpret")
+)
 def chunk_state_output(
     w: jax.Array, u: jax.Array, kg: jax.Array, decay: jax.Array, qg: jax.Array, aqk: jax.Array,
     initial_state: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32,
-    num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+    num_warps: int = 4, num_stages: int | None = None, keep_states: bool = False, interpret: bool = False,
+) -> tuple[jax.Array, ...]:
     """Stages 2 and 3 in one pass (the forward's): `chunk_state`'s arguments and qg [B, T, HV, K],
     A_qk [B, T, HV, chunk]. Returns o [B, T, HV, V] (input dtype) and the final state as `chunk_state`;
-    the chunk states never leave the chip."""
+    the chunk states never leave the chip, unless `keep_states` asks for them (for the backward): then
+    (h, v_new, o, final state)."""
     _, precision = dot_settings(w.dtype, interpret)
+    kernel = functools.partial(
+        _state_kernel, chunk=chunk, precision=precision, with_output=True, store_states=keep_states
+    )
     return state_pass_call(
-        functools.partial(_state_kernel, chunk=chunk, precision=precision, with_output=True), (w, kg, qg, aqk), u,
-        decay, initial_state, segments, chunk=chunk, block_v=block_v, num_warps=num_warps,
-        num_stages=num_stages or pipeline_stages(w.dtype, w.shape[3], before=2), interpret=interpret,
-        name="kda_chunk_state_output", chunk_states=False,
+        kernel, (w, kg, qg, aqk), u, decay, initial_state, segments, chunk=chunk, block_v=block_v,
+        num_warps=num_warps, num_stages=num_stages or pipeline_stages(w.dtype, w.shape[3], before=2),
+        interpret=interpret, name="kda_chunk_state_output", chunk_states=keep_states,
+        chunk_values=1 + keep_states,
     )

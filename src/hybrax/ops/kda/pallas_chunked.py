@@ -40,7 +40,8 @@ def kda_chunk(
 
 def _kda_chunk_fwd(q, k, v, g, beta, initial_state, segments, *static):
     inputs = (q, k, v, g, beta, initial_state, segments)
-    o, final, solved = kda_chunk_fwd_solved(*inputs, **dict(zip(STATIC, static)))
+    # Under differentiation the state pass keeps the chunk states for the backward (memory for a pass).
+    o, final, solved = kda_chunk_fwd_solved(*inputs, **dict(zip(STATIC, static)), keep_states=True)
     return (o, final), (inputs, solved)
 
 
