@@ -5,7 +5,8 @@ chip and walks the chunks in order. At chunk t, with h the state before it:
 
     v_new = u_t - w_t h                        the chunk's delta-rule corrections
     o_t   = qg_t h + A_qk,t v_new              the forward (`chunk_state_output`): the chunk's output
-    h_t   = h, v_new                           the backward's recompute (`chunk_state`): stored
+    h_t   = h, v_new                           stored for the backward: by its recompute (`chunk_state`),
+                                               or by the forward under differentiation (`keep_states`)
     h     = decay_t * h + kg_t^T v_new         decayed to the chunk's end, then updated
 
 The forward's output off the recurrence's critical path costs the pass little: at (1, 8192, 32, 128)
