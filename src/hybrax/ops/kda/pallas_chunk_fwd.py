@@ -6,7 +6,8 @@
                                     recomputes the rest with pallas_chunk_wy)
     stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks; in the forward
                                     (chunk_state_output) each chunk's o = qg h + A_qk v_new too, so the
-                                    chunk states h never leave the chip (the backward recomputes them)
+                                    chunk states h never leave the chip (unless kept for the backward,
+                                    `keep_states`; else the backward recomputes them)
 
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
 >= 16; zero keys, values, gates and betas leave the state untouched) and crops the results;

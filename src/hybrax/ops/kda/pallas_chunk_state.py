@@ -98,8 +98,8 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
 
 def state_pass_call(
     kernel: Callable, rows: Sequence[jax.Array], values: jax.Array, decay: jax.Array, states: jax.Array | None,
-    segments: Segments | None, *, chunk: int, block_v: int, num_warps: int, num_stages: int, interpret: bool,
-    name: str, chunk_states: bool = True, chunk_values: int = 1,
+    segments: Segments | None, *, chunk: int, block_v: int, num_warps: int, num_stages: int | None,
+    interpret: bool, name: str, chunk_states: bool = True, chunk_values: int = 1,
 ) -> tuple[jax.Array, ...]:
     """Launch a state pass: one program per (value block, value head, batch) over whole sequences.
 
@@ -107,7 +107,8 @@ def state_pass_call(
     states out); rows [B, T, HV, width] (any widths), values [B, T, HV, V], decay [B, NT, HV, K],
     states [B | N, HV, K, V] or None (required with `segments`). Returns ([B, NT, HV, K, V] and
     [B, T, HV, V] in the rows' dtype, [B | N, HV, K, V] fp32); without `chunk_states` the kernel has
-    no per-chunk states out, and with `chunk_values` = n it has n values outs (0 to 2).
+    no per-chunk states out, and with `chunk_values` = n it has n values outs (0 to 2). `num_stages`
+    None: `pipeline_stages`' choice for the rows' dtype and K (2 where three were not measured).
     """
     batch, length, heads, dk = decay.shape[0], values.shape[1], values.shape[2], decay.shape[3]
     dv = values.shape[3]
@@ -144,10 +145,27 @@ def state_pass_call(
             *[jax.ShapeDtypeStruct(values.shape, dtype)] * chunk_values,
             jax.ShapeDtypeStruct((count, heads, dk, dv), jnp.float32),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages or pipeline_stages(dtype, dk, before=2)
+        ),
         interpret=interpret,
         name=name,
     )(*rows, values, decay, states, *(segments or (None,) * 3))
+
+
+def _forward_pass(
+    rows: Sequence[jax.Array], u: jax.Array, decay: jax.Array, initial_state: jax.Array | None,
+    segments: Segments | None, *, with_output: bool, store_states: bool, interpret: bool, **launch,
+) -> tuple[jax.Array, ...]:
+    """`_state_kernel` launched on rows (w, kg[, qg, A_qk]) with the outs its two flags ask for."""
+    _, precision = dot_settings(rows[0].dtype, interpret)
+    kernel = functools.partial(
+        _state_kernel, chunk=launch["chunk"], precision=precision, with_output=with_output, store_states=store_states
+    )
+    return state_pass_call(
+        kernel, rows, u, decay, initial_state, segments, interpret=interpret, chunk_states=store_states,
+        chunk_values=store_states + with_output, **launch,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
@@ -163,13 +181,9 @@ def chunk_state(
     final state [B, HV, K, V] fp32 (with `segments`: [N, HV, K, V], rows of sequences without chunks
     unwritten).
     """
-    _, precision = dot_settings(w.dtype, interpret)
-    return state_pass_call(
-        functools.partial(_state_kernel, chunk=chunk, precision=precision, with_output=False, store_states=True),
-        (w, kg), u, decay,
-        initial_state, segments, chunk=chunk, block_v=block_v, num_warps=num_warps,
-        num_stages=num_stages or pipeline_stages(w.dtype, w.shape[3], before=2), interpret=interpret,
-        name="kda_chunk_state",
+    return _forward_pass(
+        (w, kg), u, decay, initial_state, segments, with_output=False, store_states=True, interpret=interpret,
+        chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages, name="kda_chunk_state",
     )
 
 
@@ -185,13 +199,8 @@ def chunk_state_output(
     A_qk [B, T, HV, chunk]. Returns o [B, T, HV, V] (input dtype) and the final state as `chunk_state`;
     the chunk states never leave the chip, unless `keep_states` asks for them (for the backward): then
     (h, v_new, o, final state)."""
-    _, precision = dot_settings(w.dtype, interpret)
-    kernel = functools.partial(
-        _state_kernel, chunk=chunk, precision=precision, with_output=True, store_states=keep_states
-    )
-    return state_pass_call(
-        kernel, (w, kg, qg, aqk), u, decay, initial_state, segments, chunk=chunk, block_v=block_v,
-        num_warps=num_warps, num_stages=num_stages or pipeline_stages(w.dtype, w.shape[3], before=2),
-        interpret=interpret, name="kda_chunk_state_output", chunk_states=keep_states,
-        chunk_values=1 + keep_states,
+    return _forward_pass(
+        (w, kg, qg, aqk), u, decay, initial_state, segments, with_output=True, store_states=keep_states,
+        interpret=interpret, chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
+        name="kda_chunk_state_output",
     )

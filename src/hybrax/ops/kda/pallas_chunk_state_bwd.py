@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from hybrax.ops.kda.pallas_chunk_state import Segments, emit, restart, state_pass_call, state_tile
-from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn, pipeline_stages
+from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn
 
 
 def _state_bwd_kernel(
@@ -79,7 +79,6 @@ def chunk_state_bwd(
     _, precision = dot_settings(w.dtype, interpret)
     return state_pass_call(
         functools.partial(_state_bwd_kernel, chunk=chunk, precision=precision), (qg, kg, w, aqk), d_out, decay,
-        d_final, segments, chunk=chunk, block_v=block_v, num_warps=num_warps,
-        num_stages=num_stages or pipeline_stages(w.dtype, w.shape[3], before=2), interpret=interpret,
-        name="kda_chunk_state_bwd",
+        d_final, segments, chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret, name="kda_chunk_state_bwd",
     )
