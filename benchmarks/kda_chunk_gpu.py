@@ -41,8 +41,7 @@ from timing import print_table  # noqa: E402
 
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd_solved, prepare_qk  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra  # noqa: E402
@@ -144,27 +143,6 @@ def ours_runners(platform: str, scale: float):
         return jnp.sum(forward(q, k, v, g, beta)[0].astype(jnp.float32) * d_out)
 
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-
-
-def pipeline_grads(scale: float, keep_states: bool):
-    """Forward+backward of the Pallas kernels without the public API (jitted): the backward from the
-    chunk states the forward kept, or recomputing them (`keep_states` off: as before 8356b16)."""
-    settings = dict(scale=scale, chunk=64)
-
-    def grads(q, k, v, g, beta, d_out):
-        o, final, solved = kda_chunk_fwd_solved(q, k, v, g, beta, keep_states=keep_states, **settings)
-        cotangents = (d_out.astype(o.dtype), jnp.zeros_like(final))
-        return kda_chunk_bwd(q, k, v, g, beta, None, *cotangents, None, solved, **settings)[:5]
-
-    return jax.jit(grads)
-
-
-def time_kept_states(row: dict, *args) -> None:
-    """fwd+bwd time and memory with and without the kept chunk states, on the same inputs."""
-    for name, keep_states in (("kept", True), ("recomputed", False)):
-        grads = pipeline_grads(args[-1], keep_states)
-        row[f"{name}_fb_ms"] = f"{time_jax(grads, *args[:-1]):.3f}"
-        row[f"{name}_fb_MB"] = f"{jax_memory_mb(grads, *args[:-1]):.0f}"
 
 
 # tokamax's KDA on a GPU: its xla_chunked path, which takes only its fused bounded gate
@@ -372,8 +350,6 @@ def bench_shape(shape, args, index: int) -> dict:
             del xla_grads
         row["pallas_fb_ms"] = f"{time_jax(ours_grad, q, k, v, g, beta, d_out):.3f}"
         row["pallas_fb_MB"] = f"{jax_memory_mb(ours_grad, q, k, v, g, beta, d_out):.0f}"
-        if args.kept_states:
-            time_kept_states(row, q, k, v, g, beta, d_out, scale)
         if not args.no_xla:
             row["xla_fb_ms"] = f"{time_jax(xla_grad, q, k, v, g, beta, d_out):.3f}"
         if not args.no_fla:
@@ -396,8 +372,6 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
     parser.add_argument("--sweep", default="", help="kernels whose launch variants to time: all, or some of "
                         "intra,state,state_output,wy,state_bwd,grad,intra_bwd (comma-separated)")
-    parser.add_argument("--kept-states", action="store_true", help="also time fwd+bwd of the kernels with the "
-                        "backward from kept chunk states and recomputing them")
     parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
@@ -423,7 +397,6 @@ def main() -> None:
                default("wy", WY_VARIANTS), default("state_bwd", STATE_BWD_VARIANTS), default("grad", GRAD_VARIANTS),
                default("intra_bwd", INTRA_BWD_VARIANTS),
                "err_grads", "fla_fb_ms", "pallas_fb_ms", "fb_ratio", "xla_fb_ms", "fla_fb_MB", "pallas_fb_MB",
-               "kept_fb_ms", "recomputed_fb_ms", "kept_fb_MB", "recomputed_fb_MB",
                "tokamax_error", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:

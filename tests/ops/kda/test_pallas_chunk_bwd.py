@@ -110,23 +110,6 @@ def test_one_pipeline_stage_at_head_dim_256():
     assert {stages[name] for name in ("kda_chunk_state_bwd", "kda_chunk_grad", "kda_chunk_intra_bwd")} == {1}
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_backward_from_kept_states(packed):
-    # The forward's state pass can keep h and v_new for the backward (what the gradient does): the
-    # backward from them matches the one that recomputes them, and the forward's outputs do not change.
-    q, k, v, g, beta = inputs(160, 1, 150, 2, 4, 32, 16, jnp.float32)
-    segments = Segments(*(jnp.array(x, jnp.int32) for x in ([0, 1, 1], [1, 1, 0], [1, 0, 1]))) if packed else None
-    h0 = normal(166, (2 if packed else 1, 4, 32, 16), scale=0.5)
-    d_out, d_final = normal(167, v.shape), normal(168, h0.shape)
-    arrays, settings = (q, k, v, g, beta, h0, segments), dict(scale=0.2, interpret=True)
-    o, final, solved = kda_chunk_fwd_solved(*arrays, **settings)
-    o_kept, final_kept, kept = kda_chunk_fwd_solved(*arrays, keep_states=True, **settings)
-    assert solved.h is None and kept.h is not None
-    assert_close((o_kept, final_kept), (o, final), 1e-6, "forward keeping the states")
-    recomputed = kda_chunk_bwd(*arrays[:6], d_out, d_final, segments, solved, **settings)
-    assert_close(kda_chunk_bwd(*arrays[:6], d_out, d_final, segments, kept, **settings), recomputed, 1e-5, "grads")
-
-
 def test_packed_sequences():
     # Sequences of 0 (empty), 70, 5, 0 and 40 tokens, then 13 tokens of no sequence; an empty
     # sequence's initial-state gradient is its final state's cotangent.

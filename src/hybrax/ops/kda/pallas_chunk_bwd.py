@@ -1,8 +1,7 @@
 """KDA chunked backward on the GPU with Pallas (Triton lowering): the stages end to end.
 
     recompute  the forward's stages 0-2 (`pallas_chunk_fwd.forward_stages`) from the T and A_qk the
-               forward kept: G, w, kg, qg (pallas_chunk_wy), and the chunk states h and v_new unless
-               the forward kept those too (it does under differentiation: `kda_chunk`'s forward rule)
+               forward kept: G, w, kg, qg (pallas_chunk_wy), the chunk states h and v_new
     stage 2'   pallas_chunk_state_bwd   the state pass in reverse: dh per chunk, dv_new, d initial state
     stage 1'   pallas_chunk_grad        the chunk-local gradients, dA_qk and dA_kk (per chunk)
     stage 1''  pallas_chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)

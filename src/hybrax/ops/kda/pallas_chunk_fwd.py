@@ -6,8 +6,7 @@
                                     recomputes the rest with pallas_chunk_wy)
     stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks; in the forward
                                     (chunk_state_output) each chunk's o = qg h + A_qk v_new too, so the
-                                    chunk states h never leave the chip (unless kept for the backward,
-                                    `keep_states`; else the backward recomputes them)
+                                    chunk states h never leave the chip (the backward recomputes them)
 
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
 >= 16; zero keys, values, gates and betas leave the state untouched) and crops the results;
@@ -101,14 +100,12 @@ class Stages(NamedTuple):
 
 
 class Solved(NamedTuple):
-    """What the backward keeps from the forward (padded): T and A_qk from stage 1, [B, T, HV, C] each,
-    and when the forward kept them (`keep_states`) the chunk states h and v_new, which the backward
-    otherwise recomputes with a state pass."""
+    """T and A_qk from stage 1, [B, T, HV, C] each (padded): what the backward keeps from the forward.
+    (Keeping the chunk states h and v_new too, so that the backward skips its state pass, made
+    forward+backward no faster on the H200: BENCHMARKS.md.)"""
 
     inverse: jax.Array
     aqk: jax.Array
-    h: jax.Array | None = None
-    v_new: jax.Array | None = None
 
 
 def solve_chunks(
@@ -128,10 +125,9 @@ def forward_stages(
     chunk: int, interpret: bool = False,
 ) -> Stages:
     """What the backward needs of the forward, on padded inputs (`solve_chunks`, then the state pass
-    storing every chunk's state unless the forward kept them)."""
-    g, (inverse, aqk, h, v_new), (w, u, kg, qg, decay) = solve_chunks(x, q, k, solved, chunk=chunk, interpret=interpret)
-    if h is None:
-        h, v_new, _ = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
+    storing every chunk's state)."""
+    g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(x, q, k, solved, chunk=chunk, interpret=interpret)
+    h, v_new, _ = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
     return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new)
 
 
@@ -143,7 +139,7 @@ def kda_chunk_fwd(*args, **kwargs) -> tuple[Float[Array, "B T HV V"], Float[Arra
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "keep_states", "interpret"),
+    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "interpret"),
 )
 def kda_chunk_fwd_solved(
     q: Float[Array, "B T H K"],
@@ -159,12 +155,10 @@ def kda_chunk_fwd_solved(
     chunk: int = 64,
     block_v: int = 32,
     state_warps: int = 4,
-    keep_states: bool = False,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"], Solved]:
     """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and T and A_qk
-    (padded), which the backward takes instead of recomputing them; with `keep_states` also the chunk
-    states h and v_new (stored by the state pass: the backward then skips its own).
+    (padded), which the backward takes instead of recomputing them.
 
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the
@@ -176,11 +170,10 @@ def kda_chunk_fwd_solved(
     _, solved, (w, u, kg, qg, decay) = solve_chunks(
         x, *prepare_qk(x.q, x.k, scale, l2_normalize), None, chunk=chunk, interpret=interpret
     )
-    *states, o, final_state = chunk_state_output(
+    o, final_state = chunk_state_output(
         w, u, kg, decay, qg, solved.aqk, x.initial_state, segments, chunk=chunk, block_v=block_v,
-        num_warps=state_warps, keep_states=keep_states, interpret=interpret,
+        num_warps=state_warps, interpret=interpret,
     )
-    solved = Solved(solved.inverse, solved.aqk, *states)
     if segments is not None:  # a sequence without tokens ends where it began
         final_state = jnp.where(has_chunks(segments, final_state.shape[0]), final_state, x.initial_state)
     return o[:, :length, :, :dv], final_state[:, :, :dk, :dv], solved

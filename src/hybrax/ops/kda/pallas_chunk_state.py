@@ -5,8 +5,7 @@ chip and walks the chunks in order. At chunk t, with h the state before it:
 
     v_new = u_t - w_t h                        the chunk's delta-rule corrections
     o_t   = qg_t h + A_qk,t v_new              the forward (`chunk_state_output`): the chunk's output
-    h_t   = h, v_new                           stored for the backward: by its recompute (`chunk_state`),
-                                               or by the forward under differentiation (`keep_states`)
+    h_t   = h, v_new                           stored for the backward, by its recompute (`chunk_state`)
     h     = decay_t * h + kg_t^T v_new         decayed to the chunk's end, then updated
 
 The forward's output off the recurrence's critical path costs the pass little: at (1, 8192, 32, 128)
@@ -59,14 +58,13 @@ def emit(state, flag_ref, out_ref, sequence, t) -> None:
         out_ref[sequence] = state
 
 
-def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool, store_states: bool):
+def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool):
     """The state pass. With `with_output` the refs after w, kg begin with qg, A_qk, and each chunk's
-    output o = qg h + A_qk v_new is written; with `store_states` each chunk's h and v_new are (for the
-    backward). Outputs in that order: h, v_new, o, the final state."""
+    output o = qg h + A_qk v_new is written (outputs: o, the final state); without, each chunk's h and
+    v_new are (for the backward; outputs: h, v_new, the final state)."""
     qg_ref, aqk_ref, *refs = refs if with_output else (None, None, *refs)
     u_ref, decay_ref, h0_ref, sequence_ref, first_ref, last_ref, *outs = refs
-    h_ref, v_new_ref, *outs = outs if store_states else (None, None, *outs)
-    o_ref, final_ref = outs if with_output else (None, *outs)
+    h_ref, v_new_ref, o_ref, final_ref = (None, None, *outs) if with_output else (*outs[:2], None, outs[2])
     compute_dtype = w_ref.dtype
     packed = sequence_ref is not None
     shape = final_ref.shape[1:] if packed else final_ref.shape
@@ -81,7 +79,7 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
         v_new = (u_ref[rows, :].astype(jnp.float32) - dot(w_ref[rows, :], state_in)).astype(compute_dtype)
         if with_output:
             o_ref[rows, :] = (dot(qg_ref[rows, :], state_in) + dot(aqk_ref[rows, :], v_new)).astype(o_ref.dtype)
-        if store_states:
+        else:
             h_ref[t, :, :] = state_in.astype(h_ref.dtype)
             v_new_ref[rows, :] = v_new
         state = decay_ref[t, :][:, None] * state + mm_tn(kg_ref[rows, :], v_new, compute_dtype, precision)
@@ -99,7 +97,7 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
 def state_pass_call(
     kernel: Callable, rows: Sequence[jax.Array], values: jax.Array, decay: jax.Array, states: jax.Array | None,
     segments: Segments | None, *, chunk: int, block_v: int, num_warps: int, num_stages: int | None,
-    interpret: bool, name: str, chunk_states: bool = True, chunk_values: int = 1,
+    interpret: bool, name: str, chunk_states: bool = True,
 ) -> tuple[jax.Array, ...]:
     """Launch a state pass: one program per (value block, value head, batch) over whole sequences.
 
@@ -107,8 +105,7 @@ def state_pass_call(
     states out); rows [B, T, HV, width] (any widths), values [B, T, HV, V], decay [B, NT, HV, K],
     states [B | N, HV, K, V] or None (required with `segments`). Returns ([B, NT, HV, K, V] and
     [B, T, HV, V] in the rows' dtype, [B | N, HV, K, V] fp32); without `chunk_states` the kernel has
-    no per-chunk states out, and with `chunk_values` = n it has n values outs (0 to 2). `num_stages`
-    None: `pipeline_stages`' choice for the rows' dtype and K (2 where three were not measured).
+    no per-chunk states out. `num_stages` None: `pipeline_stages`' choice for the rows' dtype and K (2 where three were not measured).
     """
     batch, length, heads, dk = decay.shape[0], values.shape[1], values.shape[2], decay.shape[3]
     dv = values.shape[3]
@@ -137,12 +134,12 @@ def state_pass_call(
         ],
         out_specs=[
             *[pl.BlockSpec((None, n_chunks, None, dk, block_v), lambda j, h, b: (b, 0, h, 0, j))] * chunk_states,
-            *[values_spec] * chunk_values,
+            values_spec,
             state_spec,
         ],
         out_shape=[
             *[jax.ShapeDtypeStruct((batch, n_chunks, heads, dk, dv), dtype)] * chunk_states,
-            *[jax.ShapeDtypeStruct(values.shape, dtype)] * chunk_values,
+            jax.ShapeDtypeStruct(values.shape, dtype),
             jax.ShapeDtypeStruct((count, heads, dk, dv), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(
@@ -155,16 +152,14 @@ def state_pass_call(
 
 def _forward_pass(
     rows: Sequence[jax.Array], u: jax.Array, decay: jax.Array, initial_state: jax.Array | None,
-    segments: Segments | None, *, with_output: bool, store_states: bool, interpret: bool, **launch,
+    segments: Segments | None, *, with_output: bool, interpret: bool, **launch,
 ) -> tuple[jax.Array, ...]:
-    """`_state_kernel` launched on rows (w, kg[, qg, A_qk]) with the outs its two flags ask for."""
+    """`_state_kernel` launched on rows (w, kg[, qg, A_qk]) with the outs its flag asks for."""
     _, precision = dot_settings(rows[0].dtype, interpret)
-    kernel = functools.partial(
-        _state_kernel, chunk=launch["chunk"], precision=precision, with_output=with_output, store_states=store_states
-    )
+    kernel = functools.partial(_state_kernel, chunk=launch["chunk"], precision=precision, with_output=with_output)
     return state_pass_call(
-        kernel, rows, u, decay, initial_state, segments, interpret=interpret, chunk_states=store_states,
-        chunk_values=store_states + with_output, **launch,
+        kernel, rows, u, decay, initial_state, segments, interpret=interpret, chunk_states=not with_output,
+        **launch,
     )
 
 
@@ -182,25 +177,24 @@ def chunk_state(
     unwritten).
     """
     return _forward_pass(
-        (w, kg), u, decay, initial_state, segments, with_output=False, store_states=True, interpret=interpret,
+        (w, kg), u, decay, initial_state, segments, with_output=False, interpret=interpret,
         chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages, name="kda_chunk_state",
     )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "keep_states", "interpret")
+    jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret")
 )
 def chunk_state_output(
     w: jax.Array, u: jax.Array, kg: jax.Array, decay: jax.Array, qg: jax.Array, aqk: jax.Array,
     initial_state: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32,
-    num_warps: int = 4, num_stages: int | None = None, keep_states: bool = False, interpret: bool = False,
+    num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Stages 2 and 3 in one pass (the forward's): `chunk_state`'s arguments and qg [B, T, HV, K],
     A_qk [B, T, HV, chunk]. Returns o [B, T, HV, V] (input dtype) and the final state as `chunk_state`;
-    the chunk states never leave the chip, unless `keep_states` asks for them (for the backward): then
-    (h, v_new, o, final state)."""
+    the chunk states never leave the chip."""
     return _forward_pass(
-        (w, kg, qg, aqk), u, decay, initial_state, segments, with_output=True, store_states=keep_states,
+        (w, kg, qg, aqk), u, decay, initial_state, segments, with_output=True,
         interpret=interpret, chunk=chunk, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
         name="kda_chunk_state_output",
     )

@@ -40,8 +40,7 @@ def kda_chunk(
 
 def _kda_chunk_fwd(q, k, v, g, beta, initial_state, segments, *static):
     inputs = (q, k, v, g, beta, initial_state, segments)
-    # Under differentiation the state pass keeps the chunk states for the backward (memory for a pass).
-    o, final, solved = kda_chunk_fwd_solved(*inputs, **dict(zip(STATIC, static)), keep_states=True)
+    o, final, solved = kda_chunk_fwd_solved(*inputs, **dict(zip(STATIC, static)))
     return (o, final), (inputs, solved)
 
 
