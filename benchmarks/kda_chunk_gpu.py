@@ -41,7 +41,7 @@ from timing import print_table  # noqa: E402
 
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
-from hybrax.ops.kda.pallas_chunk_fwd import normalize_qk  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra  # noqa: E402
@@ -266,15 +266,12 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
     launch variant)."""
     chunk = 64
     swept = set(sweep.split(","))
-    raw = dict(scale=scale, chunk=chunk)  # stage 1's kernels normalize q, k and sum the gates themselves
-    (inverse, aqk), (w, u, kg, qg, decay) = time_variants(
-        row, "intra", INTRA_VARIANTS, swept, lambda s: functools.partial(chunk_intra, **raw, **s), q, k, v, g, beta,
-    )
-    # What the backward's other kernels read, made by the backward's XLA ops and cumsum kernel.
-    prepare = jax.jit(lambda q, k, g: (
-        *(x.astype(q.dtype) for x in normalize_qk(q, k, scale, True)), chunk_local_cumsum(g, chunk=chunk)
-    ))
+    prepare = jax.jit(lambda q, k, g: (*prepare_qk(q, k, scale, True), chunk_local_cumsum(g, chunk=chunk)))
     qn, kn, gates = staged(row, "prepare", prepare, q, k, g)
+    (inverse, aqk), (w, u, kg, qg, decay) = time_variants(
+        row, "intra", INTRA_VARIANTS, swept, lambda s: functools.partial(chunk_intra, chunk=chunk, **s),
+        qn, kn, v, gates, beta,
+    )
     h, v_new, _ = time_variants(
         row, "state", STATE_VARIANTS, swept, lambda s: lambda *a: chunk_state(*a, None, **s), w, u, kg, decay
     )
@@ -285,7 +282,8 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
     # The backward's kernels, on a random output cotangent.
     d_out = jax.random.normal(jax.random.key(2), v.shape, v.dtype)
     time_variants(
-        row, "wy", WY_VARIANTS, swept, lambda s: functools.partial(chunk_wy, **raw, **s), q, k, v, g, beta, inverse,
+        row, "wy", WY_VARIANTS, swept, lambda s: functools.partial(chunk_wy, chunk=chunk, **s),
+        qn, kn, v, gates, beta, inverse,
     )
     dh, dv_new, _ = time_variants(
         row, "state_bwd", STATE_BWD_VARIANTS, swept, lambda s: lambda *a: chunk_state_bwd(*a, None, **s),

@@ -31,15 +31,17 @@ from kda_chunk_gpu import make_inputs, time_jax  # noqa: E402
 from timing import print_table  # noqa: E402
 
 from hybrax.ops.kda import pallas_chunk_intra  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk  # noqa: E402
 
 
-def _zero_scores(inputs, **_):
-    zeros = jnp.zeros((inputs.q_ref.shape[0],) * 2, jnp.float32)
+def _zero_scores(q_ref, k_ref, g_ref, **_):
+    zeros = jnp.zeros((q_ref.shape[0],) * 2, jnp.float32)
     return zeros, zeros
 
 
 STAND_INS = {
-    "scores": {"_factored_scores": lambda inputs, **_: (*_zero_scores(inputs), jnp.float32(0.0))},
+    "scores": {"_factored_scores": _zero_scores},
     "steep": {"_exact_scores": _zero_scores},
     "inverse": {"unit_lower_inverse": lambda strict_lower, precision: strict_lower},
     "wy": {"write_wy": lambda *refs, **settings: None},
@@ -53,9 +55,7 @@ ABLATIONS = {"full kernel": ()} | {f"without {part}": (part,) for part in STAND_
 def ablated_intra(parts: tuple[str, ...], chunk: int, interpret: bool):
     """`chunk_intra` traced with `parts` swapped for their stand-ins (a fresh jit: traced anew)."""
     patches = {name: fn for part in parts for name, fn in STAND_INS[part].items()}
-    intra = jax.jit(lambda *a: pallas_chunk_intra.chunk_intra.__wrapped__(
-        *a, scale=a[0].shape[3] ** -0.5, chunk=chunk, interpret=interpret
-    ))
+    intra = jax.jit(lambda *a: pallas_chunk_intra.chunk_intra.__wrapped__(*a, chunk=chunk, interpret=interpret))
 
     def run(*args):
         with mock.patch.multiple(pallas_chunk_intra, **patches) if patches else contextlib.nullcontext():
@@ -70,12 +70,14 @@ def main() -> None:
     args = parser.parse_args()
     shape, chunk = ((1, 128, 2, 32), 64) if args.smoke else ((1, 8192, 32, 128), 64)
     q, k, v, g, beta = make_inputs(0, *shape)
+    q, k = prepare_qk(q, k, shape[3] ** -0.5, True)
+    gates = chunk_local_cumsum(g, chunk=chunk, interpret=args.smoke)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; stage 1 at {shape}", flush=True)
     rows = []
     for name, parts in ABLATIONS.items():
         run = ablated_intra(parts, chunk, args.smoke)
-        jax.block_until_ready(run(q, k, v, g, beta))
-        ms = time_jax(run, q, k, v, g, beta, reps=2 if args.smoke else 20, rounds=1 if args.smoke else 7)
+        jax.block_until_ready(run(q, k, v, gates, beta))
+        ms = time_jax(run, q, k, v, gates, beta, reps=2 if args.smoke else 20, rounds=1 if args.smoke else 7)
         rows.append({"kernel": name, "ms": f"{ms:.3f}"})
         print(rows[-1], flush=True)
     print_table(rows, ["kernel", "ms"])

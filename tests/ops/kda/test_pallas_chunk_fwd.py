@@ -212,13 +212,13 @@ def pipeline_stages_of(text: str) -> list[tuple[str, int]]:
     ("dtype", "dim", "stages"),
     # Three pipeline stages where they were measured (bf16, K <= 128); the earlier settings for fp32; one
     # at K = 256, where more ask for more shared memory than the H200 has.
-    [(jnp.bfloat16, 128, [3, 3]), (jnp.float32, 128, [1, 2]), (jnp.bfloat16, 256, [1, 1]),
-     (jnp.float32, 256, [1, 1])],
+    [(jnp.bfloat16, 128, [1, 3, 3]), (jnp.float32, 128, [1, 1, 2]), (jnp.bfloat16, 256, [1, 1, 1]),
+     (jnp.float32, 256, [1, 1, 1])],
 )
 def test_pipeline_stages(dtype, dim, stages):
     args, _ = abstract_inputs(dtype, False, dim)
     text = lower_for_h200(lambda *a: kda_chunk_fwd(*a[:6], None, scale=0.1), *args)
-    names = ["kda_chunk_intra", "kda_chunk_state_output"]
+    names = ["kda_chunk_cumsum", "kda_chunk_intra", "kda_chunk_state_output"]
     assert pipeline_stages_of(text) == list(zip(names, stages))
 
 
@@ -229,4 +229,4 @@ def test_lowers_to_triton(dtype, packed):
     text = lower_for_h200(
         lambda *a: kda_chunk_fwd(*a[:6], Segments(*a[6:]) if packed else None, scale=0.1), *args, *segments
     )
-    assert text.count("__gpu$xla.gpu.triton") == 2  # intra (from the raw inputs), state pass with the output
+    assert text.count("__gpu$xla.gpu.triton") == 3  # cumsum, intra, state pass with the output

@@ -1,8 +1,7 @@
 """KDA chunked backward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    recompute  the forward's stages (`pallas_chunk_fwd.forward_stages`) from the T and A_qk the forward
-               kept: w, kg, qg (pallas_chunk_wy), G (pallas_chunk_cumsum), q and k normalized (XLA),
-               the chunk states h and v_new
+    recompute  the forward's stages 0-2 (`pallas_chunk_fwd.forward_stages`) from the T and A_qk the
+               forward kept: G, w, kg, qg (pallas_chunk_wy), the chunk states h and v_new
     stage 2'   pallas_chunk_state_bwd   the state pass in reverse: dh per chunk, dv_new, d initial state
     stage 1'   pallas_chunk_grad        the chunk-local gradients, dA_qk and dA_kk (per chunk)
     stage 1''  pallas_chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)
@@ -59,9 +58,7 @@ def kda_chunk_bwd(
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
     normalized, normalize_vjp = jax.vjp(lambda q, k: normalize_qk(q, k, scale, l2_normalize), x.q, x.k)
     qn, kn = (y.astype(x.q.dtype) for y in normalized)  # as the forward's kernels read them
-    s = forward_stages(
-        x, qn, kn, segments, solved, scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=interpret
-    )
+    s = forward_stages(x, qn, kn, segments, solved, chunk=chunk, interpret=interpret)
     d_out = pad_to(d_out.astype(x.v.dtype), {1: x.v.shape[1], 3: x.v.shape[3]})
     d_final = pad_to(d_final.astype(jnp.float32), {2: x.k.shape[3], 3: x.v.shape[3]})
 

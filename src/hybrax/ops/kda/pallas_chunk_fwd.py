@@ -1,9 +1,9 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    stage 1  pallas_chunk_intra     from the raw q, k, g: q, k L2-normalized (q scaled) and the chunk-local
-                                    gate cumsum G, then A_kk, A_qk, T = (I + A_kk)^-1, w, u (the WY form),
-                                    kg, qg and the chunk's decay (per chunk; the backward, which keeps T
-                                    and A_qk, recomputes the rest with pallas_chunk_wy)
+    stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
+    stage 1  pallas_chunk_intra     A_kk, A_qk, T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and
+                                    the chunk's decay (per chunk; the backward, which keeps T and A_qk,
+                                    recomputes the rest with pallas_chunk_wy)
     stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks; in the forward
                                     (chunk_state_output) each chunk's o = qg h + A_qk v_new too, so the
                                     chunk states h never leave the chip (the backward recomputes them)
@@ -50,6 +50,12 @@ def normalize_qk(q: jax.Array, k: jax.Array, scale: float, normalize: bool) -> t
     if normalize:
         q, k = l2_normalize(q), l2_normalize(k)
     return q * scale, k
+
+
+def prepare_qk(q: jax.Array, k: jax.Array, scale: float, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """`normalize_qk`, stored in the input dtype: what the kernels read."""
+    dtype = q.dtype
+    return tuple(x.astype(dtype) for x in normalize_qk(q, k, scale, normalize))
 
 
 class Padded(NamedTuple):
@@ -103,27 +109,24 @@ class Solved(NamedTuple):
 
 
 def solve_chunks(
-    x: Padded, solved: Solved | None, *, scale: float, l2_normalize: bool, chunk: int, interpret: bool,
-) -> tuple[Solved, tuple[jax.Array, ...]]:
-    """Stage 1 on padded raw inputs: (T, A_qk) and the WY form (w, u, kg, qg, decay). Given T and
-    A_qk, only the WY form is recomputed."""
-    settings = dict(scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=interpret)
+    x: Padded, q: jax.Array, k: jax.Array, solved: Solved | None, *, chunk: int, interpret: bool,
+) -> tuple[jax.Array, Solved, tuple[jax.Array, ...]]:
+    """Stages 0 and 1 on padded inputs, with q and k already through `prepare_qk`: G, (T, A_qk) and the
+    WY form (w, u, kg, qg, decay). Given T and A_qk, stage 1 only recomputes the WY form."""
+    g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
     if solved is None:
-        scores, wy = chunk_intra(x.q, x.k, x.v, x.g, x.beta, **settings)
-        return Solved(*scores), wy
-    return solved, chunk_wy(x.q, x.k, x.v, x.g, x.beta, solved.inverse, **settings)
+        scores, wy = chunk_intra(q, k, x.v, g, x.beta, chunk=chunk, interpret=interpret)
+        return g, Solved(*scores), wy
+    return g, solved, chunk_wy(q, k, x.v, g, x.beta, solved.inverse, chunk=chunk, interpret=interpret)
 
 
 def forward_stages(
     x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None, *,
-    scale: float, l2_normalize: bool, chunk: int, interpret: bool = False,
+    chunk: int, interpret: bool = False,
 ) -> Stages:
-    """What the backward needs of the forward, on padded inputs and q, k normalized as the kernels do
-    (`normalize_qk`): stage 1 (`solve_chunks`), G, and the state pass storing every chunk's state."""
-    (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(
-        x, solved, scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=interpret
-    )
-    g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
+    """What the backward needs of the forward, on padded inputs (`solve_chunks`, then the state pass
+    storing every chunk's state)."""
+    g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(x, q, k, solved, chunk=chunk, interpret=interpret)
     h, v_new, _ = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
     return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new)
 
@@ -164,8 +167,8 @@ def kda_chunk_fwd_solved(
     """
     length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
-    solved, (w, u, kg, qg, decay) = solve_chunks(
-        x, None, scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=interpret
+    _, solved, (w, u, kg, qg, decay) = solve_chunks(
+        x, *prepare_qk(x.q, x.k, scale, l2_normalize), None, chunk=chunk, interpret=interpret
     )
     o, final_state = chunk_state_output(
         w, u, kg, decay, qg, solved.aqk, x.initial_state, segments, chunk=chunk, block_v=block_v,

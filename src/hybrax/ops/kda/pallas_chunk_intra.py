@@ -1,7 +1,6 @@
 """KDA chunked forward, stage 1 (Pallas, Triton lowering): everything within a chunk, in one kernel.
 
-One program per (chunk, value head, batch), on the raw q, k and log decays: the L2 norm, the scale and
-G, the chunk-local cumulative log decay, are computed here (`pallas_chunk_inputs`). Then
+One program per (chunk, value head, batch). With G the chunk-local cumulative log decay,
 
     A_kk[i, j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)   (j < i)    ->  T = (I + A_kk)^-1 is stored
     A_qk[i, j] =        sum_c q_ic k_jc exp(G_ic - G_jc)   (j <= i)   ->  stored
@@ -31,7 +30,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_inputs import RawChunk, tile_row
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
@@ -58,72 +56,67 @@ def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
 
 
 def steep_chunk(g_ref) -> jax.Array:
-    """Whether some sub-chunk of the chunk decays by more than exp(STEEP) in some channel (G in a ref)."""
+    """Whether some sub-chunk of the chunk decays by more than exp(STEEP) in some channel."""
     return functools.reduce(jnp.logical_or, [
         jnp.max(g_ref[a * SUB, :] - g_ref[a * SUB + SUB - 1, :]) > STEEP for a in range(g_ref.shape[0] // SUB)
     ])
 
 
-def split_decay(start: jax.Array, gates: jax.Array, a: int) -> tuple[jax.Array, jax.Array]:
-    """exp(G_i - G_j) split at r, the first row of sub-chunk a, for the [C, BK] gates of one K slice
-    (start [1, BK]: G_r): exp(G_i - G_r) on the rows of a (zeros elsewhere, so a [C, C] dot keeps only
-    a's rows) and exp(G_r - G_j) on every row, clamped at exp(STEEP) (above it only on a steep diagonal
-    block)."""
+def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, jax.Array]:
+    """exp(G_i - G_j) split at r, the first row of sub-chunk a, for the [C, BK] gates of one K slice:
+    exp(G_i - G_r) on the rows of a (zeros elsewhere, so a [C, C] dot keeps only a's rows) and
+    exp(G_r - G_j) on every row, clamped at exp(STEEP) (above it only on a steep diagonal block)."""
+    start = g_ref[a * SUB, slice_k][None, :]
     in_a = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB == a
     to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
     return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
 
 
-def _exact_scores(inputs: RawChunk) -> tuple[jax.Array, jax.Array]:
+def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
     (the min only touches entries above the diagonal, which callers drop)."""
-    keys, queries, gates = inputs.keys(), inputs.queries(), inputs.gates()
-    chunk = keys.shape[0]
-    _, cols = index_grid(chunk)
+    keys, queries, gates = (ref[...].astype(jnp.float32) for ref in (k_ref, q_ref, g_ref))
+    _, cols = index_grid(q_ref.shape[0])
 
     def column(j, scores):
         akk, aqk = scores
-        decay = jnp.exp(jnp.minimum(gates - tile_row(gates, j)[None, :], 0.0))
-        decayed = tile_row(keys, j)[None, :] * decay
+        decayed = k_ref[j, :].astype(jnp.float32)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[j, :][None, :], 0.0))
         akk = jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], akk)
         aqk = jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], aqk)
         return akk, aqk
 
-    zeros = jnp.zeros((chunk, chunk), jnp.float32)
-    return lax.fori_loop(0, chunk, column, (zeros, zeros))
+    zeros = jnp.zeros((q_ref.shape[0],) * 2, jnp.float32)
+    return lax.fori_loop(0, q_ref.shape[0], column, (zeros, zeros))
 
 
-def _factored_scores(inputs: RawChunk, *, block_k: int, precision) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] from the split exponent, K in slices of `block_k` (diagonal blocks
-    of steep sub-chunks clamped: callers replace them), and the largest decay within a sub-chunk
-    (G_r - G_last in any channel; above STEEP the diagonal blocks need `_exact_scores`)."""
-    chunk, dk = inputs.q_ref.shape
+    of steep sub-chunks clamped: callers replace them)."""
+    chunk, dk = q_ref.shape
 
-    def accumulate(index, carry):
-        akk, aqk, steepest = carry
+    def accumulate(index, scores):
+        akk, aqk = scores
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        gates, keys, queries = inputs.gates(cols), inputs.keys(cols), inputs.queries(cols)
+        gates = g_ref[:, cols]
+        keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
         for a in range(chunk // SUB):
-            start = tile_row(gates, a * SUB)
-            steepest = jnp.maximum(steepest, jnp.max(start - tile_row(gates, a * SUB + SUB - 1)))
-            to_start, from_start = split_decay(start[None, :], gates, a)
+            to_start, from_start = split_decay(g_ref, gates, cols, a)
             right = keys * from_start
             akk = akk + mm_t(keys * to_start, right, jnp.float32, precision)
             aqk = aqk + mm_t(queries * to_start, right, jnp.float32, precision)
-        return akk, aqk, steepest
+        return akk, aqk
 
     zeros = jnp.zeros((chunk, chunk), jnp.float32)
-    return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros, jnp.float32(0.0)))
+    return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
 
 
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
-    scale: float, l2_normalize: bool, block_k: int, block_v: int, precision, compute_dtype, wy_precision,
+    block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
-    inputs = RawChunk.read(q_ref, k_ref, g_ref, scale=scale, l2_normalize=l2_normalize)
     rows, cols = index_grid(q_ref.shape[0])
-    akk, aqk, steepest = _factored_scores(inputs, block_k=block_k, precision=precision)
-    exact_kk, exact_qk = lax.cond(steepest > STEEP, lambda: _exact_scores(inputs), lambda: (akk, aqk))
+    akk, aqk = _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
+    exact_kk, exact_qk = lax.cond(steep_chunk(g_ref), lambda: _exact_scores(q_ref, k_ref, g_ref), lambda: (akk, aqk))
     diagonal = (rows // SUB) == (cols // SUB)
     akk, aqk = jnp.where(diagonal, exact_kk, akk), jnp.where(diagonal, exact_qk, aqk)
     betas = beta_ref[...].astype(jnp.float32)[:, None]
@@ -131,23 +124,20 @@ def _intra_kernel(
     inverse_ref[...] = inverse.astype(inverse_ref.dtype)
     aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)
     write_wy(
-        inverse, inputs, v_ref, beta_ref, *wy_refs,
+        inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
         block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "l2_normalize", "chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_intra(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float,
-    l2_normalize: bool = True, chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4,
-    num_stages: int | None = None, interpret: bool = False,
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
+    interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
-    """q, k [B, T, H, K] (raw: L2-normalized here unless `l2_normalize` is off, q scaled by `scale`);
-    v [B, T, HV, V]; g [B, T, HV, K] the per-token log decay (fp32); beta [B, T, HV]. T a multiple of
-    the chunk, K and V powers of two >= 16, HV a multiple of H.
+    """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
+    log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
+    multiple of H.
 
     Returns (T = (I + A_kk)^-1, A_qk), each [B, T, HV, chunk] (row t: row t % chunk of its chunk's
     matrix, zeros above the diagonal), and `chunk_wy`'s (w, u, kg, qg, decay), in the inputs' dtype
@@ -158,7 +148,7 @@ def chunk_intra(
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, scale=scale, l2_normalize=l2_normalize, block_k=min(block_k, dk), block_v=min(block_v, dv),
+        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
         precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)

@@ -74,7 +74,7 @@ def _intra_bwd_kernel(
         y_q, y_k, z = zeros, zeros, zeros
         for a in range(n_sub):
             in_a = sub_chunk == a
-            to_start, from_start = split_decay(g_ref[a * SUB, slice_k][None, :], gates, a)
+            to_start, from_start = split_decay(g_ref, gates, slice_k, a)
             right = keys * from_start
             y_q = y_q + jnp.where(in_a, mm(p_off, right, jnp.float32, precision), 0.0) * to_start
             y_k = y_k + jnp.where(in_a, mm(d_off, right, jnp.float32, precision), 0.0) * to_start

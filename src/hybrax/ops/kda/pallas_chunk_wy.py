@@ -1,9 +1,7 @@
 """KDA chunked backward's recompute of stage 1's second half (Pallas, Triton lowering): the WY form and
 the decayed keys and queries from a stored T. The forward computes them inside `pallas_chunk_intra`.
 
-One program per (chunk, value head, batch), [C, C] x [C, K | V] matmuls, on q, k L2-normalized (q
-scaled) and G the chunk-local cumulative log decay, both computed here from the raw inputs
-(`pallas_chunk_inputs`):
+One program per (chunk, value head, batch), [C, C] x [C, K | V] matmuls:
 
     w  = T (beta k exp(G)),  u = T (beta v)         T = (I + A_kk)^-1
     kg = k exp(G_last - G)                          keys decayed to the chunk's end (state update)
@@ -21,27 +19,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_inputs import RawChunk, tile_row
 from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_settings, mm
 
 
 def write_wy(
-    inverse, inputs: RawChunk, v_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
+    inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
     *, block_k: int, block_v: int, compute_dtype, precision,
 ) -> None:
     """Stores w, u, kg, qg and decay of one chunk from its T (`inverse`, fp32 [C, C]), K and V taken in
     slices of `block_k` and `block_v` columns."""
-    chunk = inputs.q_ref.shape[0]
+    chunk = q_ref.shape[0]
     betas = beta_ref[...].astype(jnp.float32)[:, None]
 
     def keys_slice(index, carry):
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        gates = inputs.gates(cols)
-        last = tile_row(gates, chunk - 1)
-        keys = inputs.keys(cols)
+        gates = g_ref[:, cols]
+        last = g_ref[chunk - 1, cols]
+        keys = k_ref[:, cols].astype(jnp.float32)
         w_ref[:, cols] = mm(inverse, keys * betas * jnp.exp(gates), compute_dtype, precision).astype(w_ref.dtype)
         kg_ref[:, cols] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
-        qg_ref[:, cols] = (inputs.queries(cols) * jnp.exp(gates)).astype(qg_ref.dtype)
+        qg_ref[:, cols] = (q_ref[:, cols].astype(jnp.float32) * jnp.exp(gates)).astype(qg_ref.dtype)
         decay_ref[cols] = jnp.exp(last)
         return carry
 
@@ -51,7 +48,7 @@ def write_wy(
         u_ref[:, cols] = mm(inverse, values * betas, compute_dtype, precision).astype(u_ref.dtype)
         return carry
 
-    lax.fori_loop(0, inputs.q_ref.shape[1] // block_k, keys_slice, 0)
+    lax.fori_loop(0, q_ref.shape[1] // block_k, keys_slice, 0)
     lax.fori_loop(0, v_ref.shape[1] // block_v, values_slice, 0)
 
 
@@ -67,26 +64,19 @@ def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
     return specs, shapes
 
 
-def _wy_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, scale, l2_normalize, compute_dtype, precision
-):
+def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
     write_wy(
-        inverse_ref[...].astype(jnp.float32), RawChunk.read(q_ref, k_ref, g_ref, scale=scale, l2_normalize=l2_normalize),
-        v_ref, beta_ref, *out_refs,
+        inverse_ref[...].astype(jnp.float32), q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
         block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype, precision=precision,
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "num_warps", "num_stages", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "num_stages", "interpret"))
 def chunk_wy(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, *,
-    scale: float, l2_normalize: bool = True, chunk: int = 64, num_warps: int = 4, num_stages: int = 1,
-    interpret: bool = False,
+    chunk: int = 64, num_warps: int = 4, num_stages: int = 1, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """q, k [B, T, H, K] (raw: normalized here, q scaled by `scale`); v [B, T, HV, V]; g [B, T, HV, K]
-    the per-token log decay (fp32); beta [B, T, HV]; T [B, T, HV, chunk].
+    """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (fp32); beta [B, T, HV]; T [B, T, HV, chunk].
 
     Returns w, kg, qg [B, T, HV, K]; u [B, T, HV, V] (the inputs' dtype); decay [B, T/chunk, HV, K] fp32.
     """
@@ -96,9 +86,7 @@ def chunk_wy(
     rows = functools.partial(chunk_rows_spec, chunk)
     out_specs, out_shape = wy_specs(chunk, q, v)
     return pl.pallas_call(
-        functools.partial(
-            _wy_kernel, scale=scale, l2_normalize=l2_normalize, compute_dtype=compute_dtype, precision=precision
-        ),
+        functools.partial(_wy_kernel, compute_dtype=compute_dtype, precision=precision),
         grid=(q.shape[1] // chunk, v.shape[2], q.shape[0]),
         in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk), rows(chunk)],
         out_specs=out_specs,
