@@ -16,8 +16,10 @@ machine lacks what tokamax imports; on 2026-12-04 this set, downloaded here into
 made it import there, with ../shared/gpu/stubs copied to .whl/stubs and put on PYTHONPATH:
 tokamax==0.0.17 einshape immutabledict qwix absl-py pydantic pydantic-core typing-inspection
 annotated-types typing_extensions flax msgpack rich pyyaml markdown-it-py mdurl pygments treescope
-optax tqdm. fla autotunes ~80 s on its first call per head count: use --first, --shapes
-and the --no-* flags to fit a 10-minute call. A short table is printed last; the full numbers go to
+optax tqdm. fla autotunes ~80-100 s on its first call per head count and direction, unless
+benchmarks/triton_autotune/ holds its results from an earlier run (`timing.seed_triton_cache`; each run
+leaves them in $OUT/triton_autotune/ to commit there); use --first, --shapes and the --no-* flags to fit
+a 10-minute call. A short table is printed last; the full numbers go to
 $OUT/kda_chunk_gpu.json when OUT is set.
 """
 
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import print_table  # noqa: E402
+from timing import print_table, save_triton_autotune, seed_triton_cache  # noqa: E402
 
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum  # noqa: E402
@@ -375,6 +377,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     args = parser.parse_args()
+    triton_cache = seed_triton_cache()
     import torch
 
     print(f"GPU: {torch.cuda.get_device_name()}  jax {jax.__version__}  torch {torch.__version__}", flush=True)
@@ -386,6 +389,7 @@ def main() -> None:
             traceback.print_exc()
             rows.append({"shape": str(shape), "error": f"{type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1]), flush=True)
+        save_triton_autotune(triton_cache)  # after every shape: a call cut off by its time limit keeps them
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "kda_chunk_gpu.json"), "w") as f:
             json.dump(rows, f, indent=1)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,6 +27,32 @@ def median_ms(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+# Triton's autotuning results (`<cache>/<hash>/<kernel>.autotune.json`, which fla's kernels write since
+# FLA_CACHE_RESULTS defaults to on), kept from earlier GPU runs. Seeded into a fresh Triton cache, they
+# spare fla its autotuning on a new machine (~100 s per head count and direction on the H200: most of a
+# 10-minute device call); the hash covers Triton's version, the kernel's source and its configs.
+AUTOTUNE_DIR = ROOT / "benchmarks" / "triton_autotune"
+
+
+def seed_triton_cache() -> pathlib.Path:
+    """Point Triton at a fresh cache folder holding AUTOTUNE_DIR's results; call before importing torch."""
+    cache = pathlib.Path(os.environ.get("TRITON_CACHE_DIR") or "/tmp/hybrax-triton-cache")
+    if AUTOTUNE_DIR.is_dir():
+        shutil.copytree(AUTOTUNE_DIR, cache, dirs_exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(cache)
+    return cache
+
+
+def save_triton_autotune(cache: pathlib.Path) -> None:
+    """Copy the cache's autotuning results to $OUT/triton_autotune (to be committed to AUTOTUNE_DIR)."""
+    if not os.environ.get("OUT"):
+        return
+    for result in cache.glob("*/*.autotune.json"):
+        target = pathlib.Path(os.environ["OUT"], "triton_autotune", result.relative_to(cache))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(result, target)
 
 
 def run_in_ejkernel_env(script: str, *args: str) -> dict[str, Any]:
