@@ -210,15 +210,25 @@ def staged(row: dict, name: str, fn, *args):
 # Launch settings tried per kernel with --sweep (the first of each is the pipeline's default).
 # Earlier sweeps (BENCHMARKS.md) settled block sizes and warps; "sN" asks Triton for N pipeline stages
 # (asynchronous copies of the next K slice or chunk while the current one computes).
+# Stage 1 is latency-bound (4096 programs at (1, 8192, 32, 128), each a serial chain of small dots): fewer
+# warps per program let more programs share an SM, which took the older separate solve kernel from 1.041
+# (k32 w2) to 0.784 ms (k16 w2) on 2026-12-03; the fused kernel had only been timed at 4 warps.
 INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k32w4s1": dict(block_k=32, num_warps=4, num_stages=1),
-                  "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4)}
+                  "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4),
+                  "k32w2s3": dict(block_k=32, num_warps=2, num_stages=3),
+                  "k16w2s3": dict(block_k=16, num_warps=2, num_stages=3),
+                  "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
+                  "k64w4s3": dict(block_k=64, num_warps=4, num_stages=3),
+                  "k32w8s3": dict(block_k=32, num_warps=8, num_stages=3)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
                       "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
 GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3),
                  "k32v64w4s1": dict(block_k=32, block_v=64, num_warps=4, num_stages=1),
-                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4)}
+                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4),
+                 "k32v32w2s3": dict(block_k=32, block_v=32, num_warps=2, num_stages=3),
+                 "k32v64w2s3": dict(block_k=32, block_v=64, num_warps=2, num_stages=3)}
 STATE_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
                   "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                   "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
