@@ -105,7 +105,8 @@ def state_pass_call(
     states out); rows [B, T, HV, width] (any widths), values [B, T, HV, V], decay [B, NT, HV, K],
     states [B | N, HV, K, V] or None (required with `segments`). Returns ([B, NT, HV, K, V] and
     [B, T, HV, V] in the rows' dtype, [B | N, HV, K, V] fp32); without `chunk_states` the kernel has
-    no per-chunk states out. `num_stages` None: `pipeline_stages`' choice for the rows' dtype and K (2 where three were not measured).
+    no per-chunk states out. `num_stages` None: `pipeline_stages`' choice for the rows' dtype and K (2
+    where three were not measured).
     """
     batch, length, heads, dk = decay.shape[0], values.shape[1], values.shape[2], decay.shape[3]
     dv = values.shape[3]
