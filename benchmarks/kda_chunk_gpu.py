@@ -220,7 +220,12 @@ INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k16w2s3": dict(block_k=16, num_warps=2, num_stages=3),
                   "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                   "k64w4s3": dict(block_k=64, num_warps=4, num_stages=3),
-                  "k32w8s3": dict(block_k=32, num_warps=8, num_stages=3)}
+                  "k32w8s3": dict(block_k=32, num_warps=8, num_stages=3),
+                  # [16, 16] blocks (branch exp/intra-blocks): a quarter of the dot work, tiny tiles.
+                  "blocks_k32w4s3": dict(blocks=True, block_k=32, num_warps=4, num_stages=3),
+                  "blocks_k32w2s3": dict(blocks=True, block_k=32, num_warps=2, num_stages=3),
+                  "blocks_k32w1s3": dict(blocks=True, block_k=32, num_warps=1, num_stages=3),
+                  "blocks_k64w2s3": dict(blocks=True, block_k=64, num_warps=2, num_stages=3)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
                       "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}

@@ -110,6 +110,104 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
     return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
 
 
+def _block(index: int):
+    """Rows (or columns) of the 16-row block `index` of a chunk."""
+    return pl.ds(index * SUB, SUB)
+
+
+def _block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[dict, dict]:
+    """Unscaled A_kk and A_qk as [16, 16] blocks {(i, j): block} for j <= i, from the exponent split at
+    each row block's first row r (exp(G_i - G_r) <= 1 on the left; exp(G_r - G_j) on the right, <= 1
+    off the diagonal, clamped at exp(STEEP) on it: callers replace steep diagonal blocks)."""
+    chunk, dk = q_ref.shape
+    pairs = [(i, j) for i in range(chunk // SUB) for j in range(i + 1)]
+
+    def accumulate(index, scores):
+        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        gates = [g_ref[_block(a), cols] for a in range(chunk // SUB)]
+        keys = [k_ref[_block(a), cols].astype(jnp.float32) for a in range(chunk // SUB)]
+        starts = [g_ref[a * SUB, cols][None, :] for a in range(chunk // SUB)]
+        to_start = [jnp.exp(gate - start) for gate, start in zip(gates, starts)]
+        left_k = [key * factor for key, factor in zip(keys, to_start)]
+        left_q = [q_ref[_block(a), cols].astype(jnp.float32) * to_start[a] for a in range(chunk // SUB)]
+        akk, aqk = scores
+        for n, (i, j) in enumerate(pairs):
+            right = keys[j] * jnp.exp(jnp.minimum(starts[i] - gates[j], STEEP))
+            akk = (*akk[:n], akk[n] + mm_t(left_k[i], right, jnp.float32, precision), *akk[n + 1:])
+            aqk = (*aqk[:n], aqk[n] + mm_t(left_q[i], right, jnp.float32, precision), *aqk[n + 1:])
+        return akk, aqk
+
+    zeros = tuple(jnp.zeros((SUB, SUB), jnp.float32) for _ in pairs)
+    akk, aqk = lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
+    return dict(zip(pairs, akk)), dict(zip(pairs, aqk))
+
+
+def _exact_diagonal_block(q_ref, k_ref, g_ref, a: int) -> tuple[jax.Array, jax.Array]:
+    """Unscaled diagonal blocks (a, a) of A_kk and A_qk column by column from exp(min(G_i - G_j, 0))."""
+    rows = _block(a)
+    keys, queries, gates = k_ref[rows, :].astype(jnp.float32), q_ref[rows, :].astype(jnp.float32), g_ref[rows, :]
+    _, cols = index_grid(SUB)
+
+    def column(j, scores):
+        akk, aqk = scores
+        row = a * SUB + j
+        decayed = k_ref[row, :].astype(jnp.float32)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[row, :][None, :], 0.0))
+        akk = jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], akk)
+        aqk = jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], aqk)
+        return akk, aqk
+
+    zeros = jnp.zeros((SUB, SUB), jnp.float32)
+    return lax.fori_loop(0, SUB, column, (zeros, zeros))
+
+
+def block_lower_inverse(blocks: dict, precision) -> list[list[jax.Array]]:
+    """(I + A)^-1 of a strictly lower A given as [16, 16] blocks {(i, j): A_ij}, j <= i (diagonal blocks
+    strictly lower), as rows of blocks T[i][j], j <= i: each diagonal block by doubling, then
+    T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj."""
+    count = max(i for i, _ in blocks) + 1
+    inverse = [[None] * (i + 1) for i in range(count)]
+    for i in range(count):
+        inverse[i][i] = unit_lower_inverse(blocks[i, i], precision)
+        for j in range(i - 1, -1, -1):
+            coupled = functools.reduce(jnp.add, [
+                mm(blocks[i, m], inverse[m][j], jnp.float32, precision) for m in range(j, i)
+            ])
+            inverse[i][j] = -mm(inverse[i][i], coupled, jnp.float32, precision)
+    return inverse
+
+
+def _intra_blocks_kernel(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
+    block_k: int, block_v: int, precision, compute_dtype, wy_precision,
+):
+    """`_intra_kernel` on [16, 16] blocks: a quarter of the masked tile's dot work, no block ever stacked
+    into a [C, C] tile (each is stored where it belongs)."""
+    count = q_ref.shape[0] // SUB
+    akk, aqk = _block_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
+    steep = steep_chunk(g_ref)
+    for a in range(count):
+        akk[a, a], aqk[a, a] = lax.cond(
+            steep, functools.partial(_exact_diagonal_block, q_ref, k_ref, g_ref, a), lambda: (akk[a, a], aqk[a, a])
+        )
+    rows, cols = index_grid(SUB)
+    strict = {}
+    for (i, j), block in akk.items():
+        block = block * beta_ref[_block(i)].astype(jnp.float32)[:, None]
+        strict[i, j] = jnp.where(rows > cols, block, 0.0) if i == j else block
+    inverse = block_lower_inverse(strict, precision)
+    zeros = jnp.zeros((SUB, SUB), jnp.float32)
+    for i in range(count):
+        for j in range(count):
+            inverse_block = inverse[i][j] if j <= i else zeros
+            score = jnp.where(rows >= cols, aqk[i, j], 0.0) if i == j else aqk.get((i, j), zeros)
+            inverse_ref[_block(i), _block(j)] = inverse_block.astype(inverse_ref.dtype)
+            aqk_ref[_block(i), _block(j)] = score.astype(aqk_ref.dtype)
+    write_wy(
+        inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
+        block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
+    )
+
+
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
     block_k: int, block_v: int, precision, compute_dtype, wy_precision,
@@ -129,11 +227,13 @@ def _intra_kernel(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "blocks", "interpret")
+)
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
     chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
-    interpret: bool = False,
+    blocks: bool = False, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
     log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
@@ -148,7 +248,7 @@ def chunk_intra(
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
+        _intra_blocks_kernel if blocks else _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
         precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)
