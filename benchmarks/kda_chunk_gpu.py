@@ -221,7 +221,7 @@ INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                   "k64w4s3": dict(block_k=64, num_warps=4, num_stages=3),
                   "k32w8s3": dict(block_k=32, num_warps=8, num_stages=3),
-                  # [16, 16] blocks (branch exp/intra-blocks): a quarter of the dot work, tiny tiles.
+                  # Stage 1 on [16, 16] blocks (`chunk_intra(blocks=True)`): a quarter of the dot work, tiny tiles.
                   "blocks_k32w4s3": dict(blocks=True, block_k=32, num_warps=4, num_stages=3),
                   "blocks_k32w2s3": dict(blocks=True, block_k=32, num_warps=2, num_stages=3),
                   "blocks_k32w1s3": dict(blocks=True, block_k=32, num_warps=1, num_stages=3),

@@ -18,6 +18,10 @@ took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 
 (1, 8192, 32, 128) bf16 (BENCHMARKS.md). [16, C] row blocks stacked into the tile afterwards do a
 quarter of the dot work but took 1.82 ms there against 0.75: Triton's stacking (join, transpose,
 reshape) costs far more than the zeros. T follows by doubling on the whole tile.
+
+`blocks=True` selects the block form, not yet timed on a GPU: every score, T and WY block a separate
+[16, 16] (or [16, BK]) register tile, never stacked, each stored to its place in the ref; T from the
+diagonal blocks' inverses and T_ij = -T_ii sum_m A_im T_mj (`block_lower_inverse`).
 """
 
 from __future__ import annotations
