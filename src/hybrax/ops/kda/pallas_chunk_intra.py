@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
+    sub_chunk,
 )
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
@@ -76,21 +77,26 @@ def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, ja
     return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
 
 
-def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
-    """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
-    (the min only touches entries above the diagonal, which callers drop)."""
-    keys, queries, gates = (ref[...].astype(jnp.float32) for ref in (k_ref, q_ref, g_ref))
-    _, cols = index_grid(q_ref.shape[0])
+def _exact_scores(q_ref, k_ref, g_ref, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Unscaled A_kk and A_qk column by column from exp(min(G_i - G_j, 0)): no factor above 1 (the min
+    only touches entries above the diagonal, which callers drop). The whole [C, C] tiles, or with
+    `block` the [16, 16] diagonal blocks of that sub-chunk."""
+    first, size = (0, q_ref.shape[0]) if block is None else (block * SUB, SUB)
+    rows = pl.ds(first, size)
+    keys, queries, gates = (ref[rows, :].astype(jnp.float32) for ref in (k_ref, q_ref, g_ref))
+    _, cols = index_grid(size)
 
     def column(j, scores):
         akk, aqk = scores
-        decayed = k_ref[j, :].astype(jnp.float32)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[j, :][None, :], 0.0))
+        row = first + j
+        decay = jnp.exp(jnp.minimum(gates - g_ref[row, :][None, :], 0.0))
+        decayed = k_ref[row, :].astype(jnp.float32)[None, :] * decay
         akk = jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], akk)
         aqk = jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], aqk)
         return akk, aqk
 
-    zeros = jnp.zeros((q_ref.shape[0],) * 2, jnp.float32)
-    return lax.fori_loop(0, q_ref.shape[0], column, (zeros, zeros))
+    zeros = jnp.zeros((size, size), jnp.float32)
+    return lax.fori_loop(0, size, column, (zeros, zeros))
 
 
 def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
@@ -114,11 +120,6 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
     return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
 
 
-def _block(index: int):
-    """Rows (or columns) of the 16-row block `index` of a chunk."""
-    return pl.ds(index * SUB, SUB)
-
-
 def _block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[dict, dict]:
     """Unscaled A_kk and A_qk as [16, 16] blocks {(i, j): block} for j <= i, from the exponent split at
     each row block's first row r (exp(G_i - G_r) <= 1 on the left; exp(G_r - G_j) on the right, <= 1
@@ -128,12 +129,12 @@ def _block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[dict
 
     def accumulate(index, scores):
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        gates = [g_ref[_block(a), cols] for a in range(chunk // SUB)]
-        keys = [k_ref[_block(a), cols].astype(jnp.float32) for a in range(chunk // SUB)]
+        gates = [g_ref[sub_chunk(a), cols] for a in range(chunk // SUB)]
+        keys = [k_ref[sub_chunk(a), cols].astype(jnp.float32) for a in range(chunk // SUB)]
         starts = [g_ref[a * SUB, cols][None, :] for a in range(chunk // SUB)]
         to_start = [jnp.exp(gate - start) for gate, start in zip(gates, starts)]
         left_k = [key * factor for key, factor in zip(keys, to_start)]
-        left_q = [q_ref[_block(a), cols].astype(jnp.float32) * to_start[a] for a in range(chunk // SUB)]
+        left_q = [q_ref[sub_chunk(a), cols].astype(jnp.float32) * to_start[a] for a in range(chunk // SUB)]
         akk, aqk = scores
         for n, (i, j) in enumerate(pairs):
             right = keys[j] * jnp.exp(jnp.minimum(starts[i] - gates[j], STEEP))
@@ -144,24 +145,6 @@ def _block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[dict
     zeros = tuple(jnp.zeros((SUB, SUB), jnp.float32) for _ in pairs)
     akk, aqk = lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
     return dict(zip(pairs, akk)), dict(zip(pairs, aqk))
-
-
-def _exact_diagonal_block(q_ref, k_ref, g_ref, a: int) -> tuple[jax.Array, jax.Array]:
-    """Unscaled diagonal blocks (a, a) of A_kk and A_qk column by column from exp(min(G_i - G_j, 0))."""
-    rows = _block(a)
-    keys, queries, gates = k_ref[rows, :].astype(jnp.float32), q_ref[rows, :].astype(jnp.float32), g_ref[rows, :]
-    _, cols = index_grid(SUB)
-
-    def column(j, scores):
-        akk, aqk = scores
-        row = a * SUB + j
-        decayed = k_ref[row, :].astype(jnp.float32)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[row, :][None, :], 0.0))
-        akk = jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], akk)
-        aqk = jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], aqk)
-        return akk, aqk
-
-    zeros = jnp.zeros((SUB, SUB), jnp.float32)
-    return lax.fori_loop(0, SUB, column, (zeros, zeros))
 
 
 def block_lower_inverse(blocks: dict, precision) -> list[list[jax.Array]]:
@@ -191,12 +174,12 @@ def _intra_blocks_kernel(
     steep = steep_chunk(g_ref)
     for a in range(count):
         akk[a, a], aqk[a, a] = lax.cond(
-            steep, functools.partial(_exact_diagonal_block, q_ref, k_ref, g_ref, a), lambda: (akk[a, a], aqk[a, a])
+            steep, functools.partial(_exact_scores, q_ref, k_ref, g_ref, a), lambda: (akk[a, a], aqk[a, a])
         )
     rows, cols = index_grid(SUB)
     strict = {}
     for (i, j), block in akk.items():
-        block = block * beta_ref[_block(i)].astype(jnp.float32)[:, None]
+        block = block * beta_ref[sub_chunk(i)].astype(jnp.float32)[:, None]
         strict[i, j] = jnp.where(rows > cols, block, 0.0) if i == j else block
     inverse = block_lower_inverse(strict, precision)
     zeros = jnp.zeros((SUB, SUB), jnp.float32)
@@ -204,8 +187,8 @@ def _intra_blocks_kernel(
         for j in range(count):
             inverse_block = inverse[i][j] if j <= i else zeros
             score = jnp.where(rows >= cols, aqk[i, j], 0.0) if i == j else aqk.get((i, j), zeros)
-            inverse_ref[_block(i), _block(j)] = inverse_block.astype(inverse_ref.dtype)
-            aqk_ref[_block(i), _block(j)] = score.astype(aqk_ref.dtype)
+            inverse_ref[sub_chunk(i), sub_chunk(j)] = inverse_block.astype(inverse_ref.dtype)
+            aqk_ref[sub_chunk(i), sub_chunk(j)] = score.astype(aqk_ref.dtype)
     write_wy(
         inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
         block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import SUB, chunk_column_spec, chunk_rows_spec, dot_settings, mm
+from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_settings, mm, sub_chunk
 
 
 def apply_inverse(inverse, whole, operand, out_ref, cols, compute_dtype, precision) -> None:
@@ -30,11 +30,11 @@ def apply_inverse(inverse, whole, operand, out_ref, cols, compute_dtype, precisi
     if not isinstance(inverse, list):
         out_ref[:, cols] = mm(inverse, whole, compute_dtype, precision).astype(out_ref.dtype)
         return
-    parts = [operand(pl.ds(j * SUB, SUB)) for j in range(len(inverse))]
+    parts = [operand(sub_chunk(j)) for j in range(len(inverse))]
     for i, blocks in enumerate(inverse):
         products = [mm(block, part, compute_dtype, precision) for block, part in zip(blocks, parts)]
         rows = functools.reduce(jnp.add, products)
-        out_ref[pl.ds(i * SUB, SUB), cols] = rows.astype(out_ref.dtype)
+        out_ref[sub_chunk(i), cols] = rows.astype(out_ref.dtype)
 
 
 def write_wy(
