@@ -9,6 +9,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from typing import Any, Callable
 
@@ -46,13 +47,15 @@ def seed_triton_cache() -> pathlib.Path:
 
 
 def save_triton_autotune(cache: pathlib.Path) -> None:
-    """Copy the cache's autotuning results to $OUT/triton_autotune (to be committed to AUTOTUNE_DIR)."""
+    """Pack the cache's autotuning results into $OUT/triton_autotune.tar (to be unpacked into AUTOTUNE_DIR).
+
+    One archive, since a device call brings back at most 8 files from $OUT.
+    """
     if not os.environ.get("OUT"):
         return
-    for result in cache.glob("*/*.autotune.json"):
-        target = pathlib.Path(os.environ["OUT"], "triton_autotune", result.relative_to(cache))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(result, target)
+    with tarfile.open(pathlib.Path(os.environ["OUT"], "triton_autotune.tar"), "w") as archive:
+        for result in sorted(cache.glob("*/*.autotune.json")):
+            archive.add(result, arcname=str(result.relative_to(cache)))
 
 
 def run_in_ejkernel_env(script: str, *args: str) -> dict[str, Any]:

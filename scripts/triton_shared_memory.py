@@ -42,16 +42,34 @@ TRITON_CALL = re.compile(r'ir = "((?:[^"\\]|\\.)*)", name = "([a-z_]+)", num_sta
 # Run in a second interpreter with upstream Triton on its path (it must not meet jaxlib's MLIR in one
 # process): compile each (name, stages, warps, path of the IR text) for sm_90, print their bytes as JSON.
 COMPILE = """
-import json, os, sys
+import json, os, re, subprocess, sys
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton
 from triton.backends.compiler import GPUTarget
-shared = []
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+usage = []
 for name, stages, warps, path in json.load(sys.stdin):
     options = dict(num_stages=stages, num_warps=warps)
-    shared.append(triton.compile(path, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared)
-print(json.dumps(shared))
+    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=options)
+    with open(path + ".cubin", "wb") as f:
+        f.write(kernel.asm["cubin"])
+    resources = subprocess.run([cuobjdump, "-res-usage", path + ".cubin"], capture_output=True, text=True).stdout
+    registers, local = (int(re.search(field + r":(\\d+)", resources).group(1)) for field in ("REG", "LOCAL"))
+    usage.append(dict(shared=kernel.metadata.shared, registers=registers, local=local))
+print(json.dumps(usage))
 """
+
+
+def programs_per_sm(shared: int, registers: int, warps: int) -> int:
+    """How many programs of a kernel fit on one H100/H200 SM at once (CUDA's occupancy rules for sm_90).
+
+    Registers go to warps in units of 256 (8 per thread rounded up, times 32 threads); an SM has 65536 of
+    them, 228 KiB of shared memory (1 KiB of it reserved per block), 64 warps and 32 blocks.
+    """
+    registers_per_warp = -(-registers * 32 // 256) * 256
+    by_registers = 65536 // (registers_per_warp * warps)
+    by_shared = 233472 // (shared + 1024)
+    return min(by_registers, by_shared, 64 // warps, 32)
 
 
 def unescape(text: str) -> bytes:
@@ -133,10 +151,13 @@ def main() -> None:
             [sys.executable, "-c", COMPILE], input=json.dumps(calls), capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONPATH": args.triton},
         )
-    print(f"KDA {args.op}, {args.dtype}, K = V = {args.dim}; shared memory by upstream Triton for sm_90 (bytes)")
-    for (name, stages, warps, _), shared in zip(calls, json.loads(compiled.stdout)):
-        over = "  OVER the H200's limit" if shared > H200_SHARED_MEMORY else ""
-        print(f"{name:26s} stages {stages}  warps {warps}  {shared:7d}{over}")
+    print(f"KDA {args.op}, {args.dtype}, K = V = {args.dim}; by upstream Triton for sm_90: shared memory (bytes),")
+    print("registers per thread, local memory per thread (bytes: spills), programs resident per SM")
+    for (name, stages, warps, _), usage in zip(calls, json.loads(compiled.stdout)):
+        over = "  OVER the H200's limit" if usage["shared"] > H200_SHARED_MEMORY else ""
+        resident = programs_per_sm(usage["shared"], usage["registers"], warps)
+        print(f"{name:26s} stages {stages}  warps {warps}  shared {usage['shared']:7d}  registers {usage['registers']:3d}"
+              f"  local {usage['local']:4d}  per SM {resident:2d}{over}")
 
 
 if __name__ == "__main__":

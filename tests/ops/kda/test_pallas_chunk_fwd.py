@@ -17,9 +17,7 @@ import pytest
 from hybrax.core import lookup
 from hybrax.ops.kda import api, reference
 from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunked)
-from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk
-from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
+from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
@@ -232,19 +230,3 @@ def test_lowers_to_triton(dtype, packed):
         lambda *a: kda_chunk_fwd(*a[:6], Segments(*a[6:]) if packed else None, scale=0.1), *args, *segments
     )
     assert text.count("__gpu$xla.gpu.triton") == 3  # cumsum, intra, state pass with the output
-
-
-@pytest.mark.parametrize(
-    ("chunk", "hard_gates", "dtype", "tol"),
-    [(64, False, jnp.float32, 1e-6), (64, True, jnp.float32, 1e-6), (32, True, jnp.float32, 1e-6),
-     (64, True, jnp.bfloat16, 1e-3)],
-)
-def test_block_form_of_stage_1(chunk, hard_gates, dtype, tol):
-    # Stage 1 on [16, 16] blocks gives what the whole-tile form gives (T, A_qk and the WY form), steep
-    # sub-chunks (gates of -1000) included, in bf16 too (outputs rounded to bf16 alike).
-    q, k, v, g, beta = inputs(170, 1, 128, 2, 4, 32, 16, dtype, hard_gates)
-    q, k = prepare_qk(q, k, 0.2, True)
-    gates = chunk_local_cumsum(g, chunk=chunk, interpret=True)
-    tile = chunk_intra(q, k, v, gates, beta, chunk=chunk, interpret=True)
-    blocks = chunk_intra(q, k, v, gates, beta, chunk=chunk, blocks=True, interpret=True)
-    assert_close(blocks, tile, tol, "stage 1 on blocks")

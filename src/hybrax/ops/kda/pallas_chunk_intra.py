@@ -18,10 +18,6 @@ took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 
 (1, 8192, 32, 128) bf16 (BENCHMARKS.md). [16, C] row blocks stacked into the tile afterwards do a
 quarter of the dot work but took 1.82 ms there against 0.75: Triton's stacking (join, transpose,
 reshape) costs far more than the zeros. T follows by doubling on the whole tile.
-
-`blocks=True` selects the block form, not yet timed on a GPU: every score, T and WY block a separate
-[16, 16] (or [16, BK]) register tile, never stacked, each stored to its place in the ref; T from the
-diagonal blocks' inverses and T_ij = -T_ii sum_m A_im T_mj (`block_lower_inverse`).
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ from jax.experimental.pallas import triton as pltriton
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
-    sub_chunk,
 )
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
@@ -77,26 +72,21 @@ def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, ja
     return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
 
 
-def _exact_scores(q_ref, k_ref, g_ref, block: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Unscaled A_kk and A_qk column by column from exp(min(G_i - G_j, 0)): no factor above 1 (the min
-    only touches entries above the diagonal, which callers drop). The whole [C, C] tiles, or with
-    `block` the [16, 16] diagonal blocks of that sub-chunk."""
-    first, size = (0, q_ref.shape[0]) if block is None else (block * SUB, SUB)
-    rows = pl.ds(first, size)
-    keys, queries, gates = (ref[rows, :].astype(jnp.float32) for ref in (k_ref, q_ref, g_ref))
-    _, cols = index_grid(size)
+def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
+    """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
+    (the min only touches entries above the diagonal, which callers drop)."""
+    keys, queries, gates = (ref[...].astype(jnp.float32) for ref in (k_ref, q_ref, g_ref))
+    _, cols = index_grid(q_ref.shape[0])
 
     def column(j, scores):
         akk, aqk = scores
-        row = first + j
-        decay = jnp.exp(jnp.minimum(gates - g_ref[row, :][None, :], 0.0))
-        decayed = k_ref[row, :].astype(jnp.float32)[None, :] * decay
+        decayed = k_ref[j, :].astype(jnp.float32)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[j, :][None, :], 0.0))
         akk = jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], akk)
         aqk = jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], aqk)
         return akk, aqk
 
-    zeros = jnp.zeros((size, size), jnp.float32)
-    return lax.fori_loop(0, size, column, (zeros, zeros))
+    zeros = jnp.zeros((q_ref.shape[0],) * 2, jnp.float32)
+    return lax.fori_loop(0, q_ref.shape[0], column, (zeros, zeros))
 
 
 def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
@@ -120,81 +110,6 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
     return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
 
 
-def _block_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[dict, dict]:
-    """Unscaled A_kk and A_qk as [16, 16] blocks {(i, j): block} for j <= i, from the exponent split at
-    each row block's first row r (exp(G_i - G_r) <= 1 on the left; exp(G_r - G_j) on the right, <= 1
-    off the diagonal, clamped at exp(STEEP) on it: callers replace steep diagonal blocks)."""
-    chunk, dk = q_ref.shape
-    pairs = [(i, j) for i in range(chunk // SUB) for j in range(i + 1)]
-
-    def accumulate(index, scores):
-        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        gates = [g_ref[sub_chunk(a), cols] for a in range(chunk // SUB)]
-        keys = [k_ref[sub_chunk(a), cols].astype(jnp.float32) for a in range(chunk // SUB)]
-        starts = [g_ref[a * SUB, cols][None, :] for a in range(chunk // SUB)]
-        to_start = [jnp.exp(gate - start) for gate, start in zip(gates, starts)]
-        left_k = [key * factor for key, factor in zip(keys, to_start)]
-        left_q = [q_ref[sub_chunk(a), cols].astype(jnp.float32) * to_start[a] for a in range(chunk // SUB)]
-        akk, aqk = scores
-        for n, (i, j) in enumerate(pairs):
-            right = keys[j] * jnp.exp(jnp.minimum(starts[i] - gates[j], STEEP))
-            akk = (*akk[:n], akk[n] + mm_t(left_k[i], right, jnp.float32, precision), *akk[n + 1:])
-            aqk = (*aqk[:n], aqk[n] + mm_t(left_q[i], right, jnp.float32, precision), *aqk[n + 1:])
-        return akk, aqk
-
-    zeros = tuple(jnp.zeros((SUB, SUB), jnp.float32) for _ in pairs)
-    akk, aqk = lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
-    return dict(zip(pairs, akk)), dict(zip(pairs, aqk))
-
-
-def block_lower_inverse(blocks: dict, precision) -> list[list[jax.Array]]:
-    """(I + A)^-1 of a strictly lower A given as [16, 16] blocks {(i, j): A_ij}, j <= i (diagonal blocks
-    strictly lower), as rows of blocks T[i][j], j <= i: each diagonal block by doubling, then
-    T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj."""
-    count = max(i for i, _ in blocks) + 1
-    inverse = [[None] * (i + 1) for i in range(count)]
-    for i in range(count):
-        inverse[i][i] = unit_lower_inverse(blocks[i, i], precision)
-        for j in range(i - 1, -1, -1):
-            coupled = functools.reduce(jnp.add, [
-                mm(blocks[i, m], inverse[m][j], jnp.float32, precision) for m in range(j, i)
-            ])
-            inverse[i][j] = -mm(inverse[i][i], coupled, jnp.float32, precision)
-    return inverse
-
-
-def _intra_blocks_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
-    block_k: int, block_v: int, precision, compute_dtype, wy_precision,
-):
-    """`_intra_kernel` on [16, 16] blocks: a quarter of the masked tile's dot work, no block ever stacked
-    into a [C, C] tile (each is stored where it belongs)."""
-    count = q_ref.shape[0] // SUB
-    akk, aqk = _block_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
-    steep = steep_chunk(g_ref)
-    for a in range(count):
-        akk[a, a], aqk[a, a] = lax.cond(
-            steep, functools.partial(_exact_scores, q_ref, k_ref, g_ref, a), lambda: (akk[a, a], aqk[a, a])
-        )
-    rows, cols = index_grid(SUB)
-    strict = {}
-    for (i, j), block in akk.items():
-        block = block * beta_ref[sub_chunk(i)].astype(jnp.float32)[:, None]
-        strict[i, j] = jnp.where(rows > cols, block, 0.0) if i == j else block
-    inverse = block_lower_inverse(strict, precision)
-    zeros = jnp.zeros((SUB, SUB), jnp.float32)
-    for i in range(count):
-        for j in range(count):
-            inverse_block = inverse[i][j] if j <= i else zeros
-            score = jnp.where(rows >= cols, aqk[i, j], 0.0) if i == j else aqk.get((i, j), zeros)
-            inverse_ref[sub_chunk(i), sub_chunk(j)] = inverse_block.astype(inverse_ref.dtype)
-            aqk_ref[sub_chunk(i), sub_chunk(j)] = score.astype(aqk_ref.dtype)
-    write_wy(
-        inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
-        block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
-    )
-
-
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
     block_k: int, block_v: int, precision, compute_dtype, wy_precision,
@@ -214,13 +129,11 @@ def _intra_kernel(
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "blocks", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
     chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
-    blocks: bool = False, interpret: bool = False,
+    interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
     log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
@@ -235,7 +148,7 @@ def chunk_intra(
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_blocks_kernel if blocks else _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
+        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
         precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)

@@ -19,45 +19,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_settings, mm, sub_chunk
-
-
-def apply_inverse(inverse, whole, operand, out_ref, cols, compute_dtype, precision) -> None:
-    """out_ref[:, cols] = T @ X, X given `whole` [C, cols] fp32 and as operand(rows) -> its rows (read
-    again from the refs). T is a whole [C, C] tile (X whole), or its lower triangle as [16, 16] blocks
-    (inverse[i][j], j <= i: `pallas_chunk_intra`'s block form), each row block then a sum of block dots
-    on X's row blocks (Triton tiles cannot be sliced in registers)."""
-    if not isinstance(inverse, list):
-        out_ref[:, cols] = mm(inverse, whole, compute_dtype, precision).astype(out_ref.dtype)
-        return
-    parts = [operand(sub_chunk(j)) for j in range(len(inverse))]
-    for i, blocks in enumerate(inverse):
-        products = [mm(block, part, compute_dtype, precision) for block, part in zip(blocks, parts)]
-        rows = functools.reduce(jnp.add, products)
-        out_ref[sub_chunk(i), cols] = rows.astype(out_ref.dtype)
+from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_settings, mm
 
 
 def write_wy(
     inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
     *, block_k: int, block_v: int, compute_dtype, precision,
 ) -> None:
-    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse`, fp32 [C, C] or its [16, 16]
-    blocks: `apply_inverse`), K and V taken in slices of `block_k` and `block_v` columns."""
+    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse`, fp32 [C, C]), K and V taken in
+    slices of `block_k` and `block_v` columns."""
     chunk = q_ref.shape[0]
     betas = beta_ref[...].astype(jnp.float32)[:, None]
-    block_betas = lambda rows: beta_ref[rows].astype(jnp.float32)[:, None]  # noqa: E731
-    solve = functools.partial(apply_inverse, inverse, compute_dtype=compute_dtype, precision=precision)
 
     def keys_slice(index, carry):
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, cols]
         last = g_ref[chunk - 1, cols]
         keys = k_ref[:, cols].astype(jnp.float32)
-        solve(
-            keys * betas * jnp.exp(gates),
-            lambda rows: k_ref[rows, cols].astype(jnp.float32) * block_betas(rows) * jnp.exp(g_ref[rows, cols]),
-            w_ref, cols,
-        )
+        w_ref[:, cols] = mm(inverse, keys * betas * jnp.exp(gates), compute_dtype, precision).astype(w_ref.dtype)
         kg_ref[:, cols] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
         qg_ref[:, cols] = (q_ref[:, cols].astype(jnp.float32) * jnp.exp(gates)).astype(qg_ref.dtype)
         decay_ref[cols] = jnp.exp(last)
@@ -65,10 +44,8 @@ def write_wy(
 
     def values_slice(index, carry):
         cols = pl.ds(pl.multiple_of(index * block_v, block_v), block_v)
-        solve(
-            v_ref[:, cols].astype(jnp.float32) * betas,
-            lambda rows: v_ref[rows, cols].astype(jnp.float32) * block_betas(rows), u_ref, cols,
-        )
+        values = v_ref[:, cols].astype(jnp.float32)
+        u_ref[:, cols] = mm(inverse, values * betas, compute_dtype, precision).astype(u_ref.dtype)
         return carry
 
     lax.fori_loop(0, q_ref.shape[1] // block_k, keys_slice, 0)

@@ -72,11 +72,6 @@ def mm_tn(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
     )
 
 
-def sub_chunk(index: int):
-    """Rows (or columns) of sub-chunk `index` of a chunk: a ref index for a [SUB, ...] block."""
-    return pl.ds(index * SUB, SUB)
-
-
 def chunk_rows_spec(chunk: int, width: int, group: int = 1) -> pl.BlockSpec:
     """One chunk's rows [chunk, width] of a [B, T, heads, width] array, for the program (chunk t, value
     head h, batch b) of a per-chunk kernel; `group` value heads share each of the array's heads."""
