@@ -7,12 +7,15 @@ One program per (chunk, value head, batch). With G the chunk-local cumulative lo
 
 and then, from T in registers, the WY form and the decayed keys and queries (`pallas_chunk_wy.write_wy`).
 
-A_kk and A_qk are built whole ([C, C]) from one masked matmul per 16-row sub-chunk a and K slice: the
-factor exp(G_i - G_j) splits at r, the first row of a, into exp(G_i - G_r) <= 1 (rows of a, zeros
-elsewhere) and exp(G_r - G_j) (every row). Below a's diagonal block (j < r) the second factor is <= 1
-too; on it, it is >= 1 and bounded by the sub-chunk's own decay exp(G_r - G_last). Where that exceeds
-exp(STEEP) in some channel (gates of -1000), the diagonal blocks are recomputed column by column from
-exp(min(G_i - G_j, 0)), so the kernel never overflows and very negative gates underflow to exactly 0.
+A_kk and A_qk are built whole ([C, C]) from one masked matmul per 16-row sub-chunk a and K slice: for
+row i in a (first row r) and column j in sub-chunk b (first row s), exp(G_i - G_j) factors into
+exp(G_i - G_r) <= 1 (rows of a, zeros elsewhere), a per-channel link exp(G_r - G_s) <= 1 (b < a; 1 for
+b = a; columns of later sub-chunks, above the diagonal, get zeros) and exp(G_s - G_j) >= 1, bounded by
+b's own decay. Two [C, BK] exps per K slice (each row against its own sub-chunk's first row) serve
+every sub-chunk (before 2026-12-04, fifth session: two per sub-chunk). A chunk where some sub-chunk
+decays by more than exp(STEEP) in some channel (gates of -1000) takes the whole tile column by column
+from exp(min(G_i - G_j, 0)) instead, so the kernel never overflows and very negative gates underflow
+to exactly 0.
 Three quarters of each dot's left operand is zeros: on the H200 the tensor cores absorb that, and this
 took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
 (1, 8192, 32, 128) bf16 (BENCHMARKS.md). [16, C] row blocks stacked into the tile afterwards do a
@@ -90,20 +93,38 @@ def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
 
 
 def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
-    """Unscaled A_kk and A_qk [C, C] from the split exponent, K in slices of `block_k` (diagonal blocks
-    of steep sub-chunks clamped: callers replace them)."""
+    """Unscaled A_kk and A_qk [C, C] from the split exponent, K in slices of `block_k` (wrong in steep
+    chunks: callers take `_exact_scores` there).
+
+    For row i in sub-chunk a (first row r) and column j in sub-chunk b <= a (first row s),
+    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_s) exp(G_s - G_j): per K slice two [C, BK] exps (each row
+    against its own sub-chunk's first row; the second <= exp(STEEP) outside steep chunks) and per-channel
+    links exp(G_r - G_s) <= 1 between first rows. Columns of later sub-chunks (above the diagonal) get zeros.
+    """
     chunk, dk = q_ref.shape
+    n_sub = chunk // SUB
 
     def accumulate(index, scores):
         akk, aqk = scores
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, cols]
         keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
-        for a in range(chunk // SUB):
-            to_start, from_start = split_decay(g_ref, gates, cols, a)
-            right = keys * from_start
-            akk = akk + mm_t(keys * to_start, right, jnp.float32, precision)
-            aqk = aqk + mm_t(queries * to_start, right, jnp.float32, precision)
+        sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
+        starts = [g_ref[a * SUB, cols][None, :] for a in range(n_sub)]
+        own_start = functools.reduce(
+            lambda tile, a: jnp.where(sub_chunk == a, starts[a], tile), range(n_sub - 1), starts[-1]
+        )
+        down = jnp.exp(gates - own_start)
+        keys_down, queries_down = keys * down, queries * down
+        keys_up = keys * jnp.exp(jnp.minimum(own_start - gates, STEEP))
+        for a in range(n_sub):
+            in_a = sub_chunk == a
+            link = in_a.astype(jnp.float32)
+            for b in range(a):
+                link = jnp.where(sub_chunk == b, jnp.exp(starts[a] - starts[b]), link)
+            right = keys_up * link
+            akk = akk + mm_t(jnp.where(in_a, keys_down, 0.0), right, jnp.float32, precision)
+            aqk = aqk + mm_t(jnp.where(in_a, queries_down, 0.0), right, jnp.float32, precision)
         return akk, aqk
 
     zeros = jnp.zeros((chunk, chunk), jnp.float32)
@@ -115,10 +136,11 @@ def _intra_kernel(
     block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
     rows, cols = index_grid(q_ref.shape[0])
-    akk, aqk = _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision)
-    exact_kk, exact_qk = lax.cond(steep_chunk(g_ref), lambda: _exact_scores(q_ref, k_ref, g_ref), lambda: (akk, aqk))
-    diagonal = (rows // SUB) == (cols // SUB)
-    akk, aqk = jnp.where(diagonal, exact_kk, akk), jnp.where(diagonal, exact_qk, aqk)
+    akk, aqk = lax.cond(
+        steep_chunk(g_ref),
+        lambda: _exact_scores(q_ref, k_ref, g_ref),
+        lambda: _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision),
+    )
     betas = beta_ref[...].astype(jnp.float32)[:, None]
     inverse = unit_lower_inverse(jnp.where(rows > cols, akk * betas, 0.0), precision)
     inverse_ref[...] = inverse.astype(inverse_ref.dtype)
