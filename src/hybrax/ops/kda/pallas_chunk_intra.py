@@ -26,6 +26,7 @@ reshape) costs far more than the zeros. T follows by doubling on the whole tile.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,14 +66,33 @@ def steep_chunk(g_ref) -> jax.Array:
     ])
 
 
-def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, jax.Array]:
-    """exp(G_i - G_j) split at r, the first row of sub-chunk a, for the [C, BK] gates of one K slice:
-    exp(G_i - G_r) on the rows of a (zeros elsewhere, so a [C, C] dot keeps only a's rows) and
-    exp(G_r - G_j) on every row, clamped at exp(STEEP) (above it only on a steep diagonal block)."""
-    start = g_ref[a * SUB, slice_k][None, :]
-    in_a = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB == a
-    to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
-    return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
+class SubChunkDecay(NamedTuple):
+    """exp(G_i - G_j) for the [C, BK] gates of one K slice, as factors: for row i in sub-chunk a (first
+    row r) and column j in sub-chunk b <= a (first row s), exp(G_i - G_r) exp(G_r - G_s) exp(G_s - G_j)."""
+
+    sub_chunk: jax.Array  # [C, BK] each row's sub-chunk
+    down: jax.Array  # exp(G_i - G_s(i)) <= 1: each row from its own sub-chunk's first row
+    up: jax.Array  # exp(G_s(j) - G_j) >= 1, bounded by the sub-chunk's decay (clamped at exp(STEEP))
+    starts: list  # [1, BK] G at each sub-chunk's first row
+
+    def link(self, a: int) -> jax.Array:
+        """[C, BK]: on the rows of sub-chunk b, exp(G_r - G_s) <= 1 for b < a, 1 for b = a, 0 after."""
+        link = (self.sub_chunk == a).astype(jnp.float32)
+        for b in range(a):
+            link = jnp.where(self.sub_chunk == b, jnp.exp(self.starts[a] - self.starts[b]), link)
+        return link
+
+
+def sub_chunk_decay(g_ref, gates: jax.Array, slice_k) -> SubChunkDecay:
+    """The factors of one K slice's [C, BK] gates (two [C, BK] exps serve every sub-chunk)."""
+    sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
+    starts = [g_ref[a * SUB, slice_k][None, :] for a in range(gates.shape[0] // SUB)]
+    own_start = functools.reduce(
+        lambda tile, a: jnp.where(sub_chunk == a, starts[a], tile), range(len(starts) - 1), starts[-1]
+    )
+    down = jnp.exp(gates - own_start)
+    up = jnp.exp(jnp.minimum(own_start - gates, STEEP))
+    return SubChunkDecay(sub_chunk, down, up, starts)
 
 
 def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
@@ -93,36 +113,20 @@ def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
 
 
 def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
-    """Unscaled A_kk and A_qk [C, C] from the split exponent, K in slices of `block_k` (wrong in steep
-    chunks: callers take `_exact_scores` there).
-
-    For row i in sub-chunk a (first row r) and column j in sub-chunk b <= a (first row s),
-    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_s) exp(G_s - G_j): per K slice two [C, BK] exps (each row
-    against its own sub-chunk's first row; the second <= exp(STEEP) outside steep chunks) and per-channel
-    links exp(G_r - G_s) <= 1 between first rows. Columns of later sub-chunks (above the diagonal) get zeros.
-    """
+    """Unscaled A_kk and A_qk [C, C] from `SubChunkDecay`'s factors, K in slices of `block_k` (wrong in
+    steep chunks, whose clamped factors callers replace by `_exact_scores`)."""
     chunk, dk = q_ref.shape
     n_sub = chunk // SUB
 
     def accumulate(index, scores):
         akk, aqk = scores
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        gates = g_ref[:, cols]
+        decay = sub_chunk_decay(g_ref, g_ref[:, cols], cols)
         keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
-        sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
-        starts = [g_ref[a * SUB, cols][None, :] for a in range(n_sub)]
-        own_start = functools.reduce(
-            lambda tile, a: jnp.where(sub_chunk == a, starts[a], tile), range(n_sub - 1), starts[-1]
-        )
-        down = jnp.exp(gates - own_start)
-        keys_down, queries_down = keys * down, queries * down
-        keys_up = keys * jnp.exp(jnp.minimum(own_start - gates, STEEP))
+        keys_down, queries_down, keys_up = keys * decay.down, queries * decay.down, keys * decay.up
         for a in range(n_sub):
-            in_a = sub_chunk == a
-            link = in_a.astype(jnp.float32)
-            for b in range(a):
-                link = jnp.where(sub_chunk == b, jnp.exp(starts[a] - starts[b]), link)
-            right = keys_up * link
+            in_a = decay.sub_chunk == a
+            right = keys_up * decay.link(a)
             akk = akk + mm_t(jnp.where(in_a, keys_down, 0.0), right, jnp.float32, precision)
             aqk = aqk + mm_t(jnp.where(in_a, queries_down, 0.0), right, jnp.float32, precision)
         return akk, aqk
