@@ -84,7 +84,9 @@ def _intra_bwd_kernel(
         slice_k = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, slice_k]
         queries, keys = q_ref[:, slice_k].astype(jnp.float32), k_ref[:, slice_k].astype(jnp.float32)
-        y_q, y_k, z = _factored_slice(p_factored, d_factored, r_factored, queries, keys, gates, g_ref, slice_k, precision)
+        y_q, y_k, z = _factored_slice(
+            p_factored, d_factored, r_factored, queries, keys, gates, g_ref, slice_k, precision
+        )
         zeros = jnp.zeros(gates.shape, jnp.float32)
         exact = lax.cond(
             steep, lambda: _exact_slice(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k), lambda: (zeros,) * 3
