@@ -134,9 +134,9 @@ def fla_runner(q, k, v, g, beta, backward: bool):
     return lambda: torch.autograd.grad(forward()[0], tensors, d_out)
 
 
-def ours_runners(platform: str, scale: float):
+def ours_runners(platform: str, scale: float, chunk: int = 64):
     """(forward, forward+backward) through the public API on one implementation."""
-    cfg = KernelDeltaAttentionConfig(platform=platform, backend="chunked", chunk_size=64)
+    cfg = KernelDeltaAttentionConfig(platform=platform, backend="chunked", chunk_size=chunk)
 
     def forward(q, k, v, g, beta):
         return kernel_delta_attention(q, k, v, beta, g, softmax_scale=scale, return_state=True, cfg=cfg)
@@ -328,7 +328,7 @@ def bench_shape(shape, args, index: int) -> dict:
     q, k, v, g, beta = make_inputs(0, *shape)
     d_out = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
     scale = dim ** -0.5
-    ours, ours_grad = ours_runners("pallas", scale)
+    ours, ours_grad = ours_runners("pallas", scale, args.chunk)
     if index < args.stages:
         time_stages(row, q, k, v, g, beta, scale, args.sweep)
 
@@ -395,6 +395,7 @@ def main() -> None:
                         "intra,state,state_output,wy,state_bwd,grad,intra_bwd (comma-separated)")
     parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
+    parser.add_argument("--chunk", type=int, default=64, help="our Pallas path's chunk size (the stages use 64)")
     args = parser.parse_args()
     triton_cache = seed_triton_cache()
     import torch

@@ -103,7 +103,7 @@ def triton_calls(text: str, directory: str) -> list[tuple[str, int, int, str]]:
     return calls
 
 
-def kda_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, str]]:
+def kda_calls(dtype, dim: int, directory: str, chunk: int = 64) -> list[tuple[str, int, int, str]]:
     """The Triton calls of the chunked forward, then of the gradient (its recomputed forward and backward)."""
     batch, length, heads = 1, 128, 2
     tokens = (batch, length, heads, dim)
@@ -112,7 +112,7 @@ def kda_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, str]
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
 
     def forward(*arrays):
-        return kda_chunk(*arrays, None, dim ** -0.5, True, 64, False)
+        return kda_chunk(*arrays, None, dim ** -0.5, True, chunk, False)
 
     def loss(*arrays):
         out, state = forward(*arrays)
@@ -143,10 +143,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--dim", type=int, default=128, help="K = V")
     parser.add_argument("--op", default="chunked", choices=["chunked", "decode"])
+    parser.add_argument("--chunk", type=int, default=64, help="the chunked path's chunk size")
     args = parser.parse_args()
     dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.dtype]
     with tempfile.TemporaryDirectory() as directory:
-        calls = (kda_calls if args.op == "chunked" else decode_calls)(dtype, args.dim, directory)
+        if args.op == "chunked":
+            calls = kda_calls(dtype, args.dim, directory, args.chunk)
+        else:
+            calls = decode_calls(dtype, args.dim, directory)
         compiled = subprocess.run(
             [sys.executable, "-c", COMPILE], input=json.dumps(calls), capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONPATH": args.triton},
