@@ -24,8 +24,8 @@ SCAN = KernelDeltaAttentionConfig("xla", "scan")
 
 
 def check(seed, batch, length, heads, value_heads, dk, dv, dtype=jnp.float32, *, with_state=True,
-          l2_normalize=True, hard_gates=False, chunk=64, tol=None):
-    q, k, v, g, beta = inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates)
+          l2_normalize=True, hard_gates=False, fast_gates=False, chunk=64, tol=None):
+    q, k, v, g, beta = inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates, fast_gates)
     h0 = normal(seed + 6, (batch, value_heads, dk, dv), scale=0.5) if with_state else None
     d_out = normal(seed + 7, v.shape, dtype)
     d_final = normal(seed + 8, (batch, value_heads, dk, dv))
@@ -68,6 +68,10 @@ def test_gates_of_minus_1000():
     # Steep sub-chunks take the exact diagonal blocks; the fp32 cumulative gate's rounding near -1000
     # (6e-5 absolute) bounds the agreement, as in the forward.
     check(30, 1, 128, 2, 2, 16, 32, hard_gates=True, tol=5e-4)
+
+
+def test_fast_decay_below_steep():
+    check(35, 1, 128, 2, 2, 32, 32, fast_gates=True)
 
 
 def test_without_l2_norm():

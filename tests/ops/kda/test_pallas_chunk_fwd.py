@@ -22,11 +22,15 @@ from hybrax.ops.kda.pallas_chunk_state import Segments
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
 
-def inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates=False):
+def inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates=False, fast_gates=False):
     q = normal(seed, (batch, length, heads, dk), dtype)
     k = normal(seed + 1, (batch, length, heads, dk), dtype)
     v = normal(seed + 2, (batch, length, value_heads, dv), dtype)
     g = jax.nn.log_sigmoid(normal(seed + 3, (batch, length, value_heads, dk), scale=2.0) + 2.0)
+    if fast_gates:
+        # Log decays down to -3 per token: a 16-token sub-chunk decays by up to exp(45), just under the
+        # kernels' STEEP, so the factored scores run with factors near their largest.
+        g = -3.0 * jax.random.uniform(jax.random.key(seed + 3), g.shape)
     if hard_gates:
         # One token in ten forgets everything: gates of -1000 must underflow, never overflow.
         forget = jax.random.bernoulli(jax.random.key(seed + 4), 0.1, g.shape[:3])
@@ -36,8 +40,8 @@ def inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates=Fa
 
 
 def check(seed, batch, length, heads, value_heads, dk, dv, dtype=jnp.float32, *, with_state=False,
-          l2_normalize=True, hard_gates=False, chunk=64, tol=None):
-    q, k, v, g, beta = inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates)
+          l2_normalize=True, hard_gates=False, fast_gates=False, chunk=64, tol=None):
+    q, k, v, g, beta = inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates, fast_gates)
     h0 = normal(seed + 6, (batch, value_heads, dk, dv), scale=0.5) if with_state else None
     scale = dk**-0.5
     out, final = kda_chunk_fwd(
@@ -70,6 +74,10 @@ def test_gates_of_minus_1000():
     # After a -1000 gate the fp32 cumulative gate sits near -1000, where its rounding step is 6e-5:
     # decays between later tokens carry that absolute error (as in every chunked cumsum scheme).
     check(30, 1, 128, 2, 2, 16, 32, hard_gates=True, with_state=True, tol=3e-4)
+
+
+def test_fast_decay_below_steep():
+    check(35, 1, 128, 2, 2, 32, 32, fast_gates=True, with_state=True)
 
 
 def test_without_l2_norm():
