@@ -7,7 +7,7 @@ time swapped for a trivial stand-in (outputs then wrong; only the time means som
 change goes where the time is:
 
     scores      `_factored_scores`: the masked [C, BK] x [BK, C] dots over K slices
-    steep       `_exact_scores`: the column-by-column diagonal blocks behind the steep-chunk branch
+    steep       `_exact_scores`: the column-by-column scores of steep chunks (the branch taken there)
     inverse     `unit_lower_inverse`: 6 doubling rounds of two dependent [C, C] dots
     wy          `write_wy`: w, u, kg, qg and the decay (dots with T, stores)
 

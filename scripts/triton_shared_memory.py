@@ -46,16 +46,18 @@ import json, os, re, subprocess, sys
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton
 from triton.backends.compiler import GPUTarget
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 usage = []
 for name, stages, warps, path in json.load(sys.stdin):
     options = dict(num_stages=stages, num_warps=warps)
     kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=options)
-    with open(path + ".cubin", "wb") as f:
-        f.write(kernel.asm["cubin"])
-    resources = subprocess.run([cuobjdump, "-res-usage", path + ".cubin"], capture_output=True, text=True).stdout
-    registers, local = (int(re.search(field + r":(\\d+)", resources).group(1)) for field in ("REG", "LOCAL"))
-    usage.append(dict(shared=kernel.metadata.shared, registers=registers, local=local))
+    with open(path + ".ptx", "w") as f:
+        f.write(kernel.asm["ptx"])
+    report = subprocess.run([ptxas, "-v", "-arch=sm_90a", path + ".ptx", "-o", path + ".cubin"],
+                            capture_output=True, text=True).stderr
+    number = lambda pattern: int(re.search(pattern, report).group(1))
+    usage.append(dict(shared=kernel.metadata.shared, registers=number(r"Used (\\d+) registers"),
+                      spill_stores=number(r"(\\d+) bytes spill stores"), spill_loads=number(r"(\\d+) bytes spill loads")))
 print(json.dumps(usage))
 """
 
@@ -156,12 +158,12 @@ def main() -> None:
             env={**os.environ, "PYTHONPATH": args.triton},
         )
     print(f"KDA {args.op}, {args.dtype}, K = V = {args.dim}; by upstream Triton for sm_90: shared memory (bytes),")
-    print("registers per thread, local memory per thread (bytes: spills), programs resident per SM")
+    print("registers per thread, register spills per thread (bytes stored / loaded, static), programs resident per SM")
     for (name, stages, warps, _), usage in zip(calls, json.loads(compiled.stdout)):
         over = "  OVER the H200's limit" if usage["shared"] > H200_SHARED_MEMORY else ""
         resident = programs_per_sm(usage["shared"], usage["registers"], warps)
         print(f"{name:26s} stages {stages}  warps {warps}  shared {usage['shared']:7d}  registers {usage['registers']:3d}"
-              f"  local {usage['local']:4d}  per SM {resident:2d}{over}")
+              f"  spills {usage['spill_stores']:4d}/{usage['spill_loads']:4d}  per SM {resident:2d}{over}")
 
 
 if __name__ == "__main__":

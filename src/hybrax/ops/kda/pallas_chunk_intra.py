@@ -95,21 +95,31 @@ def sub_chunk_decay(g_ref, gates: jax.Array, slice_k) -> SubChunkDecay:
     return SubChunkDecay(sub_chunk, down, up, starts)
 
 
-def _exact_scores(q_ref, k_ref, g_ref) -> tuple[jax.Array, jax.Array]:
+def _exact_scores(q_ref, k_ref, g_ref, *, block_k: int) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
-    (the min only touches entries above the diagonal, which callers drop)."""
-    keys, queries, gates = (ref[...].astype(jnp.float32) for ref in (k_ref, q_ref, g_ref))
-    _, cols = index_grid(q_ref.shape[0])
+    (the min only touches entries above the diagonal, which callers drop). K in slices of `block_k`: whole
+    [C, K] fp32 tiles of q, k and G would hold registers that every program pays for (at sm_90, this
+    rarely taken branch alone spilled more than half of the kernel's spill bytes)."""
+    chunk, dk = q_ref.shape
+    _, cols = index_grid(chunk)
 
-    def column(j, scores):
-        akk, aqk = scores
-        decayed = k_ref[j, :].astype(jnp.float32)[None, :] * jnp.exp(jnp.minimum(gates - g_ref[j, :][None, :], 0.0))
-        akk = jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], akk)
-        aqk = jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], aqk)
-        return akk, aqk
+    def slice_scores(index, scores):
+        slice_k = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        keys, queries = k_ref[:, slice_k].astype(jnp.float32), q_ref[:, slice_k].astype(jnp.float32)
+        gates = g_ref[:, slice_k]
 
-    zeros = jnp.zeros((q_ref.shape[0],) * 2, jnp.float32)
-    return lax.fori_loop(0, q_ref.shape[0], column, (zeros, zeros))
+        def column(j, scores):
+            akk, aqk = scores
+            decay = jnp.exp(jnp.minimum(gates - g_ref[j, slice_k][None, :], 0.0))
+            decayed = k_ref[j, slice_k].astype(jnp.float32)[None, :] * decay
+            akk = akk + jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], 0.0)
+            aqk = aqk + jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], 0.0)
+            return akk, aqk
+
+        return lax.fori_loop(0, chunk, column, scores)
+
+    zeros = jnp.zeros((chunk, chunk), jnp.float32)
+    return lax.fori_loop(0, dk // block_k, slice_scores, (zeros, zeros))
 
 
 def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
@@ -142,13 +152,13 @@ def _intra_kernel(
     rows, cols = index_grid(q_ref.shape[0])
     akk, aqk = lax.cond(
         steep_chunk(g_ref),
-        lambda: _exact_scores(q_ref, k_ref, g_ref),
+        lambda: _exact_scores(q_ref, k_ref, g_ref, block_k=block_k),
         lambda: _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision),
     )
+    aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)  # stored first: its registers free
     betas = beta_ref[...].astype(jnp.float32)[:, None]
     inverse = unit_lower_inverse(jnp.where(rows > cols, akk * betas, 0.0), precision)
     inverse_ref[...] = inverse.astype(inverse_ref.dtype)
-    aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)
     write_wy(
         inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
         block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
