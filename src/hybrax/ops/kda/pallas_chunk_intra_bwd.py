@@ -76,22 +76,17 @@ def _intra_bwd_kernel(
     betas = beta_ref[...].astype(jnp.float32)[:, None]
     p, d = daqk_ref[...], dakk_ref[...]
     r = d * betas
-    # A steep chunk's factored pass sees zeros (its clamped factors are wrong there); it always runs, since
-    # its dots inside a branch cost barriers.
-    p_factored, d_factored, r_factored = (jnp.where(steep, 0.0, x) for x in (p, d, r))
 
     def slice_pass(index, dbeta):
         slice_k = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, slice_k]
         queries, keys = q_ref[:, slice_k].astype(jnp.float32), k_ref[:, slice_k].astype(jnp.float32)
-        y_q, y_k, z = _factored_slice(
-            p_factored, d_factored, r_factored, queries, keys, gates, g_ref, slice_k, precision
+        # In a steep chunk the factored pass runs on clamped factors and its (wrong) result is discarded
+        # for the exact one's: zeroed copies of p, d, r for it would hold 96 more registers per thread.
+        factored = _factored_slice(p, d, r, queries, keys, gates, g_ref, slice_k, precision)
+        y_q, y_k, z = lax.cond(
+            steep, lambda: _exact_slice(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k), lambda: factored
         )
-        zeros = jnp.zeros(gates.shape, jnp.float32)
-        exact = lax.cond(
-            steep, lambda: _exact_slice(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k), lambda: (zeros,) * 3
-        )
-        y_q, y_k, z = y_q + exact[0], y_k + exact[1], z + exact[2]
         dq_ref[:, slice_k] = y_q
         dk_ref[:, slice_k] = betas * y_k + z
         dg_ref[:, slice_k] = queries * y_q + betas * keys * y_k - keys * z
