@@ -32,7 +32,7 @@ from hybrax.ops.kda.pallas_tiles import (
 )
 
 
-def _exact_slice(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k):
+def _exact_slice(p, d, queries, keys, beta_keys, gates, k_ref, g_ref, slice_k):
     """(Y_q, Y_k, Z) of one K slice column by column from exp(min(G_i - G_j, 0)): no factor above 1."""
     chunk = p.shape[0]
     _, columns = index_grid(chunk)
@@ -42,19 +42,19 @@ def _exact_slice(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k):
         y_q, y_k, z = sums
         decay = jnp.exp(jnp.minimum(gates - g_ref[j, slice_k][None, :], 0.0))
         decayed_key = k_ref[j, slice_k].astype(jnp.float32)[None, :] * decay
-        p_column, d_column, r_column = (jnp.sum(jnp.where(columns == j, x, 0.0), axis=1)[:, None] for x in (p, d, r))
-        z_row = jnp.sum((p_column * queries + r_column * keys) * decay, axis=0)
+        p_column, d_column = (jnp.sum(jnp.where(columns == j, x, 0.0), axis=1)[:, None] for x in (p, d))
+        z_row = jnp.sum((p_column * queries + d_column * beta_keys) * decay, axis=0)
         return y_q + p_column * decayed_key, y_k + d_column * decayed_key, jnp.where(rows == j, z_row[None, :], z)
 
     zeros = jnp.zeros(gates.shape, jnp.float32)
     return lax.fori_loop(0, chunk, column, (zeros, zeros, zeros))
 
 
-def _factored_slice(p, d, r, queries, keys, gates, g_ref, slice_k, precision):
+def _factored_slice(p, d, queries, keys, beta_keys, gates, g_ref, slice_k, precision):
     """(Y_q, Y_k, Z) of one K slice from `SubChunkDecay`'s factors, per sub-chunk a: a's rows of Y
     against every column, and every row of Z against a's rows (wrong in steep chunks)."""
     decay = sub_chunk_decay(g_ref, gates, slice_k)
-    keys_up, queries_down, keys_down = keys * decay.up, queries * decay.down, keys * decay.down
+    keys_up, queries_down, beta_keys_down = keys * decay.up, queries * decay.down, beta_keys * decay.down
     y_q = y_k = z = jnp.zeros(gates.shape, jnp.float32)
     for a in range(gates.shape[0] // SUB):
         in_a = decay.sub_chunk == a
@@ -63,7 +63,7 @@ def _factored_slice(p, d, r, queries, keys, gates, g_ref, slice_k, precision):
         y_q = y_q + jnp.where(in_a, mm(p, right, jnp.float32, precision) * decay.down, 0.0)
         y_k = y_k + jnp.where(in_a, mm(d, right, jnp.float32, precision) * decay.down, 0.0)
         column = mm_tn(p, jnp.where(in_a, queries_down, 0.0), jnp.float32, precision)
-        column = column + mm_tn(r, jnp.where(in_a, keys_down, 0.0), jnp.float32, precision)
+        column = column + mm_tn(d, jnp.where(in_a, beta_keys_down, 0.0), jnp.float32, precision)
         z = z + column * decay.up * link
     return y_q, y_k, z
 
@@ -74,18 +74,21 @@ def _intra_bwd_kernel(
     chunk = q_ref.shape[0]
     steep = steep_chunk(g_ref)
     betas = beta_ref[...].astype(jnp.float32)[:, None]
+    # Z's dA_kk term sums d_ij beta_i k_i over rows i: beta goes with the keys, so no [C, C] tile of
+    # d beta is held.
     p, d = daqk_ref[...], dakk_ref[...]
-    r = d * betas
 
     def slice_pass(index, dbeta):
         slice_k = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, slice_k]
         queries, keys = q_ref[:, slice_k].astype(jnp.float32), k_ref[:, slice_k].astype(jnp.float32)
+        beta_keys = betas * keys
         # In a steep chunk the factored pass runs on clamped factors and its (wrong) result is discarded
-        # for the exact one's: zeroed copies of p, d, r for it would hold 96 more registers per thread.
-        factored = _factored_slice(p, d, r, queries, keys, gates, g_ref, slice_k, precision)
+        # for the exact one's: zeroed copies of p and d for it would hold 64 more registers per thread.
+        factored = _factored_slice(p, d, queries, keys, beta_keys, gates, g_ref, slice_k, precision)
         y_q, y_k, z = lax.cond(
-            steep, lambda: _exact_slice(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k), lambda: factored
+            steep, lambda: _exact_slice(p, d, queries, keys, beta_keys, gates, k_ref, g_ref, slice_k),
+            lambda: factored,
         )
         dq_ref[:, slice_k] = y_q
         dk_ref[:, slice_k] = betas * y_k + z
