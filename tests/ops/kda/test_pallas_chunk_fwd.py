@@ -17,7 +17,9 @@ import pytest
 from hybrax.core import lookup
 from hybrax.ops.kda import api, reference
 from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunked)
-from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd
+from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
+from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk
+from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
@@ -238,3 +240,14 @@ def test_lowers_to_triton(dtype, packed):
         lambda *a: kda_chunk_fwd(*a[:6], Segments(*a[6:]) if packed else None, scale=0.1), *args, *segments
     )
     assert text.count("__gpu$xla.gpu.triton") == 3  # cumsum, intra, state pass with the output
+
+
+@pytest.mark.parametrize("sub_chunks_per_loop", [1, 2])
+def test_stage_1_sub_chunk_loops_agree(sub_chunks_per_loop):
+    # Stage 1's score passes grouped into one loop over K per 1 or 2 sub-chunks (fewer registers held)
+    # give what four passes in one loop give: T, A_qk and the WY form, at fast decays.
+    q, k, v, g, beta = inputs(180, 1, 128, 2, 2, 64, 16, jnp.float32, fast_gates=True)
+    q, k = prepare_qk(q, k, 0.125, True)
+    gates = chunk_local_cumsum(g, chunk=64, interpret=True)
+    grouped = chunk_intra(q, k, v, gates, beta, sub_chunks_per_loop=sub_chunks_per_loop, interpret=True)
+    assert_close(grouped, chunk_intra(q, k, v, gates, beta, interpret=True), 1e-6, "stage 1")

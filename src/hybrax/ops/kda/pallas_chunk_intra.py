@@ -122,38 +122,50 @@ def _exact_scores(q_ref, k_ref, g_ref, *, block_k: int) -> tuple[jax.Array, jax.
     return lax.fori_loop(0, dk // block_k, slice_scores, (zeros, zeros))
 
 
-def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
+def _factored_scores(
+    q_ref, k_ref, g_ref, *, block_k: int, sub_chunks_per_loop: int, precision
+) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] from `SubChunkDecay`'s factors, K in slices of `block_k` (wrong in
-    steep chunks, whose clamped factors callers replace by `_exact_scores`)."""
+    steep chunks, whose clamped factors callers replace by `_exact_scores`).
+
+    One loop over K per group of `sub_chunks_per_loop` sub-chunks: each sub-chunk's pass inside a loop
+    holds its own operands, so four passes in one loop spill registers at sm_90 (428/348 bytes per
+    thread by ptxas), two per loop less (140/84) and one none, for K slices read 1, 2 or 4 times."""
     chunk, dk = q_ref.shape
-    n_sub = chunk // SUB
 
-    def accumulate(index, scores):
-        akk, aqk = scores
-        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        decay = sub_chunk_decay(g_ref, g_ref[:, cols], cols)
-        keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
-        keys_down, queries_down, keys_up = keys * decay.down, queries * decay.down, keys * decay.up
-        for a in range(n_sub):
-            in_a = decay.sub_chunk == a
-            right = keys_up * decay.link(a)
-            akk = akk + mm_t(jnp.where(in_a, keys_down, 0.0), right, jnp.float32, precision)
-            aqk = aqk + mm_t(jnp.where(in_a, queries_down, 0.0), right, jnp.float32, precision)
-        return akk, aqk
+    def sub_chunk_group(group, scores):
+        def accumulate(index, scores):
+            akk, aqk = scores
+            cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+            decay = sub_chunk_decay(g_ref, g_ref[:, cols], cols)
+            keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
+            keys_down, queries_down, keys_up = keys * decay.down, queries * decay.down, keys * decay.up
+            for a in group:
+                in_a = decay.sub_chunk == a
+                right = keys_up * decay.link(a)
+                akk = akk + mm_t(jnp.where(in_a, keys_down, 0.0), right, jnp.float32, precision)
+                aqk = aqk + mm_t(jnp.where(in_a, queries_down, 0.0), right, jnp.float32, precision)
+            return akk, aqk
 
+        return lax.fori_loop(0, dk // block_k, accumulate, scores)
+
+    sub_chunks = range(chunk // SUB)
+    groups = [sub_chunks[first:first + sub_chunks_per_loop] for first in range(0, len(sub_chunks), sub_chunks_per_loop)]
     zeros = jnp.zeros((chunk, chunk), jnp.float32)
-    return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
+    return functools.reduce(lambda scores, group: sub_chunk_group(group, scores), groups, (zeros, zeros))
 
 
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
-    block_k: int, block_v: int, precision, compute_dtype, wy_precision,
+    block_k: int, sub_chunks_per_loop: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
     rows, cols = index_grid(q_ref.shape[0])
     akk, aqk = lax.cond(
         steep_chunk(g_ref),
         lambda: _exact_scores(q_ref, k_ref, g_ref, block_k=block_k),
-        lambda: _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision),
+        lambda: _factored_scores(
+            q_ref, k_ref, g_ref, block_k=block_k, sub_chunks_per_loop=sub_chunks_per_loop, precision=precision
+        ),
     )
     aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)  # stored first: its registers free
     betas = beta_ref[...].astype(jnp.float32)[:, None]
@@ -165,11 +177,14 @@ def _intra_kernel(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("chunk", "block_k", "sub_chunks_per_loop", "block_v", "num_warps", "num_stages", "interpret"),
+)
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
-    chunk: int = 64, block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
-    interpret: bool = False,
+    chunk: int = 64, block_k: int = 32, sub_chunks_per_loop: int = 4, block_v: int = 64, num_warps: int = 4,
+    num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
     log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
@@ -184,7 +199,7 @@ def chunk_intra(
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv),
+        _intra_kernel, block_k=min(block_k, dk), sub_chunks_per_loop=sub_chunks_per_loop, block_v=min(block_v, dv),
         precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)
