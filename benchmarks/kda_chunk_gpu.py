@@ -238,10 +238,14 @@ INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k16w4s3g2": dict(block_k=16, sub_chunks_per_loop=2, num_warps=4, num_stages=3)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
-                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
+                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4),
+                      # 8 warps: no spills by ptxas for sm_90 (4 warps: 572/556 bytes per thread), 1 program per SM
+                      "k16w8s3": dict(block_k=16, num_warps=8, num_stages=3)}
 GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3),
                  "k32v64w4s1": dict(block_k=32, block_v=64, num_warps=4, num_stages=1),
-                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4)}
+                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4),
+                 # 8 warps: no spills by ptxas for sm_90 (4 warps: 120/120 bytes per thread)
+                 "k32v64w8s3": dict(block_k=32, block_v=64, num_warps=8, num_stages=3)}
 STATE_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
                   "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                   "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
