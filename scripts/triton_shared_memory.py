@@ -1,10 +1,12 @@
-"""Shared memory of each Triton kernel of the KDA Pallas paths on an H200, estimated without a GPU.
+"""Shared memory, registers, register spills and programs per SM of each Triton kernel of the KDA Pallas
+paths on an H200, estimated without a GPU.
 
 Only the GPU's compiler says how much shared memory a Triton kernel asks for, and a kernel asking for
 more than the H200's 232448 bytes fails when it first runs (K = 256 did, 2026-12-04). This lowers the
 chunked forward and backward (or the decode step) for an H200 (`lowering_platforms=("cuda",)`), reads
 each Triton call's IR with jaxlib's Triton dialect and compiles it with upstream Triton for sm_90
-(ptxas ships in its wheel).
+(ptxas ships in its wheel; `ptxas -v` gives the registers and the spill bytes: a kernel at 255 registers
+usually spills, and spills sit on a latency-bound kernel's critical path).
 Upstream's passes are not XLA's: Triton 3.9 estimated 237568 bytes where XLA asked for 241664. Triton is
 not a dependency; put a wheel's contents in the ignored `.triton/` (not `.whl/`, which travels to the
 GPU machine and has to stay small):
