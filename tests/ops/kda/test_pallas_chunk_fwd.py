@@ -20,8 +20,8 @@ from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunk
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
-from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.pallas_chunk_state import Segments
+from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
 

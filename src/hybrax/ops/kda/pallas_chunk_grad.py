@@ -112,8 +112,8 @@ def _grad_kernel(
     daqk_ref[...] = jnp.where(rows >= cols, daqk, 0.0)
     d_inverse, dbeta = lax.fori_loop(0, dk // block_k, key_pass, (d_inverse, dbeta))
     d_inverse = jnp.where(rows >= cols, d_inverse, 0.0)
-    solved = load_inverse()
-    dakk = -mm_tn(solved, mm_t(d_inverse, solved, jnp.float32, fp32_precision), jnp.float32, fp32_precision)
+    inverse = load_inverse()
+    dakk = -mm_tn(inverse, mm_t(d_inverse, inverse, jnp.float32, fp32_precision), jnp.float32, fp32_precision)
     dakk_ref[...] = jnp.where(rows > cols, dakk, 0.0)
     dbeta_ref[...] = dbeta
 

@@ -73,7 +73,7 @@ class SubChunkDecay(NamedTuple):
     sub_chunk: jax.Array  # [C, BK] each row's sub-chunk
     down: jax.Array  # exp(G_i - G_s(i)) <= 1: each row from its own sub-chunk's first row
     up: jax.Array  # exp(G_s(j) - G_j) >= 1, bounded by the sub-chunk's decay (clamped at exp(STEEP))
-    starts: list  # [1, BK] G at each sub-chunk's first row
+    starts: list[jax.Array]  # [1, BK] G at each sub-chunk's first row
 
     def link(self, a: int) -> jax.Array:
         """[C, BK]: on the rows of sub-chunk b, exp(G_r - G_s) <= 1 for b < a, 1 for b = a, 0 after."""
