@@ -65,12 +65,9 @@ def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
 
 
 def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
-    # K and V in stage 1's slices and T in its stored dtype (the dots cast it alike): whole [C, K] tiles
-    # and an fp32 T took 255 registers and spilled at sm_90; this takes 132, 3 programs per SM.
     write_wy(
-        inverse_ref[...], q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
-        block_k=min(32, q_ref.shape[1]), block_v=min(64, v_ref.shape[1]), compute_dtype=compute_dtype,
-        precision=precision,
+        inverse_ref[...].astype(jnp.float32), q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
+        block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype, precision=precision,
     )
 
 
