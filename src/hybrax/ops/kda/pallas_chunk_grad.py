@@ -41,12 +41,7 @@ def _grad_kernel(
     chunk, dk = q_ref.shape
     dv = v_ref.shape[1]
     betas = beta_ref[...].astype(jnp.float32)[:, None]
-
-    def load_inverse() -> jax.Array:
-        # T read from its ref where used (8 KB, cached): held as a [C, C] fp32 tile across both loops
-        # it kept 32 registers per thread (ptxas for sm_90: spills 380/316 -> 120/120 bytes per thread).
-        return inverse_ref[...].astype(jnp.float32)
-
+    inverse = inverse_ref[...].astype(jnp.float32)
     rows, cols = index_grid(chunk)
     value_slice = lambda j: pl.ds(pl.multiple_of(j * block_v, block_v), block_v)  # noqa: E731
     key_slice = lambda i: pl.ds(pl.multiple_of(i * block_k, block_k), block_k)  # noqa: E731
@@ -57,7 +52,7 @@ def _grad_kernel(
         slice_v = value_slice(j)
         d_out, v_new, dv_new = (ref[:, slice_v] for ref in (d_out_ref, v_new_ref, dv_new_ref))
         values = v_ref[:, slice_v].astype(jnp.float32)
-        dx_v = mm_tn(load_inverse(), dv_new, compute_dtype, precision)
+        dx_v = mm_tn(inverse, dv_new, compute_dtype, precision)
         dv_ref[:, slice_v] = (dx_v * betas).astype(dv_ref.dtype)
         return (
             daqk + mm_t(d_out, v_new, compute_dtype, precision),
@@ -90,7 +85,7 @@ def _grad_kernel(
         growth, to_end = jnp.exp(gates), jnp.exp(last[None, :] - gates)
         keys = k_ref[:, slice_k].astype(jnp.float32)
         x_k = keys * betas * growth
-        dx_k = mm_tn(load_inverse(), dw, jnp.float32, fp32_precision)
+        dx_k = mm_tn(inverse, dw, jnp.float32, fp32_precision)
         dq_ref[:, slice_k] = dqg * growth
         dk_ref[:, slice_k] = dkg * to_end + dx_k * betas * growth
         kg_term = dkg * keys * to_end
@@ -112,7 +107,6 @@ def _grad_kernel(
     daqk_ref[...] = jnp.where(rows >= cols, daqk, 0.0)
     d_inverse, dbeta = lax.fori_loop(0, dk // block_k, key_pass, (d_inverse, dbeta))
     d_inverse = jnp.where(rows >= cols, d_inverse, 0.0)
-    inverse = load_inverse()
     dakk = -mm_tn(inverse, mm_t(d_inverse, inverse, jnp.float32, fp32_precision), jnp.float32, fp32_precision)
     dakk_ref[...] = jnp.where(rows > cols, dakk, 0.0)
     dbeta_ref[...] = dbeta
