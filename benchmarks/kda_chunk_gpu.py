@@ -230,22 +230,13 @@ def staged(row: dict, name: str, fn, *args):
 INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k32w4s1": dict(block_k=32, num_warps=4, num_stages=1),
                   "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4),
-                  "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
-                  # The score passes in one loop over K per 2 or 1 sub-chunks: fewer registers spilled (ptxas
-                  # for sm_90: 140/84 and 0 bytes per thread against 428/348), K slices read 2 or 4 times.
-                  "k32w4s3g2": dict(block_k=32, sub_chunks_per_loop=2, num_warps=4, num_stages=3),
-                  "k32w4s3g1": dict(block_k=32, sub_chunks_per_loop=1, num_warps=4, num_stages=3),
-                  "k16w4s3g2": dict(block_k=16, sub_chunks_per_loop=2, num_warps=4, num_stages=3)}
+                  "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
-                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4),
-                      # 8 warps: no spills by ptxas for sm_90 (4 warps: 572/556 bytes per thread), 1 program per SM
-                      "k16w8s3": dict(block_k=16, num_warps=8, num_stages=3)}
+                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
 GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3),
                  "k32v64w4s1": dict(block_k=32, block_v=64, num_warps=4, num_stages=1),
-                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4),
-                 # 8 warps: no spills by ptxas for sm_90 (4 warps: 120/120 bytes per thread)
-                 "k32v64w8s3": dict(block_k=32, block_v=64, num_warps=8, num_stages=3)}
+                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4)}
 STATE_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
                   "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                   "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
@@ -295,12 +286,13 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
     launch variant)."""
     chunk = 64
     swept = set(sweep.split(","))
-    prepare = jax.jit(lambda q, k, g: (*prepare_qk(q, k, scale, True), chunk_local_cumsum(g, chunk=chunk)))
-    qn, kn, gates = staged(row, "prepare", prepare, q, k, g)
-    (inverse, aqk), (w, u, kg, qg, decay) = time_variants(
-        row, "intra", INTRA_VARIANTS, swept, lambda s: functools.partial(chunk_intra, chunk=chunk, **s),
-        qn, kn, v, gates, beta,
+    gates = staged(row, "cumsum", jax.jit(functools.partial(chunk_local_cumsum, chunk=chunk)), g)
+    (inverse, aqk), (w, u, kg, qg, decay) = time_variants(  # q, k normalized inside, as the forward calls it
+        row, "intra", INTRA_VARIANTS, swept,
+        lambda s: functools.partial(chunk_intra, scale=scale, l2_normalize=True, chunk=chunk, **s),
+        q, k, v, gates, beta,
     )
+    qn, kn = jax.jit(functools.partial(prepare_qk, scale=scale, normalize=True))(q, k)  # what the backward reads
     h, v_new, _ = time_variants(
         row, "state", STATE_VARIANTS, swept, lambda s: lambda *a: chunk_state(*a, None, **s), w, u, kg, decay
     )
@@ -425,7 +417,7 @@ def main() -> None:
     default = lambda kernel, variants: f"{kernel}_{next(iter(variants))}_ms"  # noqa: E731
     columns = ["shape", "err_ours", "err_state", "err_fla", "err_tokamax", "fla_ms", "fla_graph_ms", "pallas_ms",
                "ratio", "xla_ms", "tokamax_ms", "tokamax_fb_ms",
-               "prepare_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS),
+               "cumsum_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS),
                default("state_output", STATE_OUTPUT_VARIANTS),
                default("wy", WY_VARIANTS), default("state_bwd", STATE_BWD_VARIANTS), default("grad", GRAD_VARIANTS),
                default("intra_bwd", INTRA_BWD_VARIANTS),

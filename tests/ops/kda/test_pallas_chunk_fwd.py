@@ -243,12 +243,24 @@ def test_lowers_to_triton(dtype, packed):
     assert text.count("__gpu$xla.gpu.triton") == 3  # cumsum, intra, state pass with the output
 
 
-@pytest.mark.parametrize("sub_chunks_per_loop", [1, 2])
-def test_stage_1_sub_chunk_loops_agree(sub_chunks_per_loop):
-    # Stage 1's score passes grouped into one loop over K per 1 or 2 sub-chunks (fewer registers held)
-    # give what four passes in one loop give: T, A_qk and the WY form, at fast decays.
-    q, k, v, g, beta = inputs(180, 1, 128, 2, 2, 64, 16, jnp.float32, fast_gates=True)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_wy_recompute_matches_stage_1(dtype):
+    # The backward's `chunk_wy` from the stored T gives the forward's w, u, kg, qg and decay: both round T
+    # to the dtype their dots take, so bf16 agrees too.
+    q, k, v, g, beta = inputs(190, 1, 128, 2, 4, 64, 128, dtype, fast_gates=True)
     q, k = prepare_qk(q, k, 0.125, True)
     gates = chunk_local_cumsum(g, chunk=64, interpret=True)
-    grouped = chunk_intra(q, k, v, gates, beta, sub_chunks_per_loop=sub_chunks_per_loop, interpret=True)
-    assert_close(grouped, chunk_intra(q, k, v, gates, beta, interpret=True), 1e-6, "stage 1")
+    (inverse, _), wy = chunk_intra(q, k, v, gates, beta, interpret=True)
+    assert_close(chunk_wy(q, k, v, gates, beta, inverse, interpret=True), wy, 1e-6, "w, u, kg, qg, decay")
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_stage_1_normalizes_inside(dtype, tolerance):
+    # Stage 1 on raw q, k with the norms and scale as row and column factors gives what it gives on
+    # `prepare_qk`'s normalized copies (bf16: those copies are rounded, the factors are not), with GQA.
+    q, k, v, g, beta = inputs(200, 1, 128, 2, 4, 64, 32, dtype, fast_gates=True)
+    q = q * 7.0  # norms far from 1
+    gates = chunk_local_cumsum(g, chunk=64, interpret=True)
+    fused = chunk_intra(q, k, v, gates, beta, scale=0.125, l2_normalize=True, interpret=True)
+    expected = chunk_intra(*prepare_qk(q, k, 0.125, True), v, gates, beta, interpret=True)
+    assert_close(fused, expected, tolerance, "T, A_qk, w, u, kg, qg, decay")

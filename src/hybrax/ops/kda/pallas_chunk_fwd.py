@@ -1,7 +1,8 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G; (XLA) q, k L2-normalized, q scaled
-    stage 1  pallas_chunk_intra     A_kk, A_qk, T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and
+    stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G
+    stage 1  pallas_chunk_intra     q, k L2-normalized and q scaled (as row factors), A_kk, A_qk,
+                                    T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and
                                     the chunk's decay (per chunk; the backward, which keeps T and A_qk,
                                     recomputes the rest with pallas_chunk_wy)
     stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks; in the forward
@@ -167,9 +168,11 @@ def kda_chunk_fwd_solved(
     """
     length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
-    _, solved, (w, u, kg, qg, decay) = solve_chunks(
-        x, *prepare_qk(x.q, x.k, scale, l2_normalize), None, chunk=chunk, interpret=interpret
+    gates = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
+    scores, (w, u, kg, qg, decay) = chunk_intra(  # q, k normalized inside: no pass writes copies first
+        x.q, x.k, x.v, gates, x.beta, scale=scale, l2_normalize=l2_normalize, chunk=chunk, interpret=interpret
     )
+    solved = Solved(*scores)
     o, final_state = chunk_state_output(
         w, u, kg, decay, qg, solved.aqk, x.initial_state, segments, chunk=chunk, block_v=block_v,
         num_warps=state_warps, interpret=interpret,

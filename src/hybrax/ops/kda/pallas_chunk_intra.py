@@ -38,6 +38,7 @@ from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
 )
+from hybrax.ops.kda.reference import L2_EPS
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
 # as a matmul: exp(60) = 1e26 keeps the factors and their products far from fp32's limits (3e38).
@@ -122,73 +123,88 @@ def _exact_scores(q_ref, k_ref, g_ref, *, block_k: int) -> tuple[jax.Array, jax.
     return lax.fori_loop(0, dk // block_k, slice_scores, (zeros, zeros))
 
 
-def _factored_scores(
-    q_ref, k_ref, g_ref, *, block_k: int, sub_chunks_per_loop: int, precision
-) -> tuple[jax.Array, jax.Array]:
+def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[jax.Array, jax.Array]:
     """Unscaled A_kk and A_qk [C, C] from `SubChunkDecay`'s factors, K in slices of `block_k` (wrong in
-    steep chunks, whose clamped factors callers replace by `_exact_scores`).
-
-    One loop over K per group of `sub_chunks_per_loop` sub-chunks: each sub-chunk's pass inside a loop
-    holds its own operands, so four passes in one loop spill registers at sm_90 (428/348 bytes per
-    thread by ptxas), two per loop less (140/84) and one none, for K slices read 1, 2 or 4 times."""
+    steep chunks, whose clamped factors callers replace by `_exact_scores`). All four sub-chunks' passes
+    share one loop over K: ptxas for sm_90 spills 428/348 bytes per thread for it (none with one loop per
+    sub-chunk, which reads every K slice four times), yet on the H200 one loop took 0.689 ms, two
+    sub-chunks per loop 0.923 and one 1.507 (BENCHMARKS.md)."""
     chunk, dk = q_ref.shape
 
-    def sub_chunk_group(group, scores):
-        def accumulate(index, scores):
-            akk, aqk = scores
-            cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-            decay = sub_chunk_decay(g_ref, g_ref[:, cols], cols)
-            keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
-            keys_down, queries_down, keys_up = keys * decay.down, queries * decay.down, keys * decay.up
-            for a in group:
-                in_a = decay.sub_chunk == a
-                right = keys_up * decay.link(a)
-                akk = akk + mm_t(jnp.where(in_a, keys_down, 0.0), right, jnp.float32, precision)
-                aqk = aqk + mm_t(jnp.where(in_a, queries_down, 0.0), right, jnp.float32, precision)
-            return akk, aqk
+    def accumulate(index, scores):
+        akk, aqk = scores
+        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        decay = sub_chunk_decay(g_ref, g_ref[:, cols], cols)
+        keys, queries = k_ref[:, cols].astype(jnp.float32), q_ref[:, cols].astype(jnp.float32)
+        keys_down, queries_down, keys_up = keys * decay.down, queries * decay.down, keys * decay.up
+        for a in range(chunk // SUB):
+            in_a = decay.sub_chunk == a
+            right = keys_up * decay.link(a)
+            akk = akk + mm_t(jnp.where(in_a, keys_down, 0.0), right, jnp.float32, precision)
+            aqk = aqk + mm_t(jnp.where(in_a, queries_down, 0.0), right, jnp.float32, precision)
+        return akk, aqk
 
-        return lax.fori_loop(0, dk // block_k, accumulate, scores)
-
-    sub_chunks = range(chunk // SUB)
-    groups = [sub_chunks[first:first + sub_chunks_per_loop] for first in range(0, len(sub_chunks), sub_chunks_per_loop)]
     zeros = jnp.zeros((chunk, chunk), jnp.float32)
-    return functools.reduce(lambda scores, group: sub_chunk_group(group, scores), groups, (zeros, zeros))
+    return lax.fori_loop(0, dk // block_k, accumulate, (zeros, zeros))
+
+
+def row_factors(q_ref, k_ref, scale: float, l2_normalize: bool, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """[C] fp32 factors that take the rows of q and k to `prepare_qk`'s: scale / |q_i| and 1 / |k_i|
+    (K in slices of `block_k`: whole [C, K] fp32 tiles would hold registers the score loop needs)."""
+    ones = jnp.ones(q_ref.shape[:1], jnp.float32)
+    if not l2_normalize:
+        return scale * ones, ones
+
+    def add_squares(index, sums):
+        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        return tuple(total + jnp.sum(jnp.square(ref[:, cols].astype(jnp.float32)), axis=1)
+                     for total, ref in zip(sums, (q_ref, k_ref)))
+
+    query_sums, key_sums = lax.fori_loop(0, q_ref.shape[1] // block_k, add_squares, (0.0 * ones, 0.0 * ones))
+    return scale * lax.rsqrt(query_sums + L2_EPS), lax.rsqrt(key_sums + L2_EPS)  # as `xla_scan.l2_normalize`
 
 
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
-    block_k: int, sub_chunks_per_loop: int, block_v: int, precision, compute_dtype, wy_precision,
+    scale: float, l2_normalize: bool, block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
     rows, cols = index_grid(q_ref.shape[0])
     akk, aqk = lax.cond(
         steep_chunk(g_ref),
         lambda: _exact_scores(q_ref, k_ref, g_ref, block_k=block_k),
-        lambda: _factored_scores(
-            q_ref, k_ref, g_ref, block_k=block_k, sub_chunks_per_loop=sub_chunks_per_loop, precision=precision
-        ),
+        lambda: _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision),
     )
+    # q and k enter raw: the scores of the normalized, scaled rows are the raw scores with each row and
+    # column scaled (A_kk[i, j] / (|k_i| |k_j|)), and the WY form takes its rows scaled, so no pass over
+    # memory writes normalized copies first (`prepare_qk`).
+    query_norms, key_norms = row_factors(q_ref, k_ref, scale, l2_normalize, block_k)
+    key_rows, key_cols = key_norms[:, None], key_norms[None, :]
+    aqk = aqk * query_norms[:, None] * key_cols
     aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)  # stored first: its registers free
-    betas = beta_ref[...].astype(jnp.float32)[:, None]
-    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * betas, 0.0), precision)
+    betas = beta_ref[...].astype(jnp.float32)[:, None] * key_rows
+    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * betas * key_cols, 0.0), precision)
     inverse_ref[...] = inverse.astype(inverse_ref.dtype)
     write_wy(
         inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
+        query_rows=query_norms[:, None], key_rows=key_rows,
         block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("chunk", "block_k", "sub_chunks_per_loop", "block_v", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "scale", "l2_normalize", "chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"
+    ),
 )
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
-    chunk: int = 64, block_k: int = 32, sub_chunks_per_loop: int = 4, block_v: int = 64, num_warps: int = 4,
-    num_stages: int | None = None, interpret: bool = False,
+    scale: float = 1.0, l2_normalize: bool = False, chunk: int = 64, block_k: int = 32, block_v: int = 64,
+    num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
-    """q, k [B, T, H, K] (normalized; q scaled); v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative
-    log decay (fp32); beta [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a
-    multiple of H.
+    """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative log decay (fp32); beta
+    [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a multiple of H. The kernel
+    takes q and k as `prepare_qk(q, k, scale, l2_normalize)` would give them (the defaults: as they come).
 
     Returns (T = (I + A_kk)^-1, A_qk), each [B, T, HV, chunk] (row t: row t % chunk of its chunk's
     matrix, zeros above the diagonal), and `chunk_wy`'s (w, u, kg, qg, decay), in the inputs' dtype
@@ -199,7 +215,7 @@ def chunk_intra(
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, block_k=min(block_k, dk), sub_chunks_per_loop=sub_chunks_per_loop, block_v=min(block_v, dv),
+        _intra_kernel, scale=scale, l2_normalize=l2_normalize, block_k=min(block_k, dk), block_v=min(block_v, dv),
         precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)
