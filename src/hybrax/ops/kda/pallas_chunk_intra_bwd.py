@@ -9,11 +9,11 @@ D = dA_kk (j < i), A_qk[i, j] = sum_c q_ic k_jc E_ijc and A_kk[i, j] = beta_i su
 
 Taken from whole [C, C] tiles, as the forward's `pallas_chunk_intra` builds them: per K slice and per
 sub-chunk a (16 rows), the rows of a against every column in [C, C] x [C, BK] dots, with
-exp(G_i - G_j) in `SubChunkDecay`'s factors (rows outside a are dropped by the row factor, zero there).
-A chunk with a steep sub-chunk (decay above STEEP within 16 rows: the factors would overflow) takes
-every slice column by column from exp(min(G_i - G_j, 0)) instead. Each K slice's rows of dq, dk, dG
-are final when its pass ends. On the H200 at (1, 8192, 32, 128) the whole-tile form took 1.245 ms
-against 1.346 for 16x16 block pairs (BENCHMARKS.md).
+exp(G_i - G_j) split at a's first row r (exp(G_i - G_r) on the rows, exp(G_r - G_j) on the columns;
+rows outside a are dropped by the row factor, zero there). A chunk with a steep sub-chunk (decay above
+STEEP within 16 rows: the split factors would overflow) takes its diagonal blocks column by column from
+exp(min(G_i - G_j, 0)) instead. Each K slice's rows of dq, dk, dG are final when its pass ends. On the
+H200 at (1, 8192, 32, 128) this took 1.245 ms against 1.346 for 16x16 block pairs (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -26,73 +26,80 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_intra import steep_chunk, sub_chunk_decay
+from hybrax.ops.kda.pallas_chunk_intra import STEEP, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, pipeline_stages, solve_precision,
 )
 
 
-def _exact_slice(p, d, queries, keys, beta_keys, gates, k_ref, g_ref, slice_k):
-    """(Y_q, Y_k, Z) of one K slice column by column from exp(min(G_i - G_j, 0)): no factor above 1."""
+def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, jax.Array]:
+    """exp(G_i - G_j) split at r, the first row of sub-chunk a, for the [C, BK] gates of one K slice:
+    exp(G_i - G_r) on the rows of a (zeros elsewhere, so a [C, C] dot keeps only a's rows) and
+    exp(G_r - G_j) on every row, clamped at exp(STEEP) (above it only on a steep diagonal block).
+    (Stage 1's `SubChunkDecay`, two exps per K slice for all sub-chunks, made this kernel slower on the
+    H200: 1.220-1.292 ms against 1.114, BENCHMARKS.md.)"""
+    start = g_ref[a * SUB, slice_k][None, :]
+    in_a = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB == a
+    to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)
+    return to_start, jnp.exp(jnp.minimum(start - gates, STEEP))
+
+
+def _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k, diagonal):
+    """(Y_q, Y_k, Z) of the diagonal blocks only, column by column from exp(min(G_i - G_j, 0))."""
     chunk = p.shape[0]
     _, columns = index_grid(chunk)
     rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
 
     def column(j, sums):
         y_q, y_k, z = sums
+        pick = (columns == j) & diagonal
         decay = jnp.exp(jnp.minimum(gates - g_ref[j, slice_k][None, :], 0.0))
         decayed_key = k_ref[j, slice_k].astype(jnp.float32)[None, :] * decay
-        p_column, d_column = (jnp.sum(jnp.where(columns == j, x, 0.0), axis=1)[:, None] for x in (p, d))
-        z_row = jnp.sum((p_column * queries + d_column * beta_keys) * decay, axis=0)
+        p_column, d_column, r_column = (jnp.sum(jnp.where(pick, x, 0.0), axis=1)[:, None] for x in (p, d, r))
+        z_row = jnp.sum((p_column * queries + r_column * keys) * decay, axis=0)
         return y_q + p_column * decayed_key, y_k + d_column * decayed_key, jnp.where(rows == j, z_row[None, :], z)
 
     zeros = jnp.zeros(gates.shape, jnp.float32)
     return lax.fori_loop(0, chunk, column, (zeros, zeros, zeros))
 
 
-def _factored_slice(p, d, queries, keys, beta_keys, gates, g_ref, slice_k, precision):
-    """(Y_q, Y_k, Z) of one K slice from `SubChunkDecay`'s factors, per sub-chunk a: a's rows of Y
-    against every column, and every row of Z against a's rows (wrong in steep chunks)."""
-    decay = sub_chunk_decay(g_ref, gates, slice_k)
-    keys_up, queries_down, beta_keys_down = keys * decay.up, queries * decay.down, beta_keys * decay.down
-    y_q = y_k = z = jnp.zeros(gates.shape, jnp.float32)
-    for a in range(gates.shape[0] // SUB):
-        in_a = decay.sub_chunk == a
-        link = decay.link(a)
-        right = keys_up * link
-        y_q = y_q + jnp.where(in_a, mm(p, right, jnp.float32, precision) * decay.down, 0.0)
-        y_k = y_k + jnp.where(in_a, mm(d, right, jnp.float32, precision) * decay.down, 0.0)
-        column = mm_tn(p, jnp.where(in_a, queries_down, 0.0), jnp.float32, precision)
-        column = column + mm_tn(d, jnp.where(in_a, beta_keys_down, 0.0), jnp.float32, precision)
-        z = z + column * decay.up * link
-    return y_q, y_k, z
-
-
 def _intra_bwd_kernel(
     q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, block_k, precision
 ):
     chunk = q_ref.shape[0]
+    n_sub = chunk // SUB
+    rows, cols = index_grid(chunk)
+    diagonal = (rows // SUB) == (cols // SUB)
     steep = steep_chunk(g_ref)
     betas = beta_ref[...].astype(jnp.float32)[:, None]
-    # Z's dA_kk term sums d_ij beta_i k_i over rows i: beta goes with the keys, so no [C, C] tile of
-    # d beta is held.
     p, d = daqk_ref[...], dakk_ref[...]
+    r = d * betas
+    # In a steep chunk the diagonal blocks leave the factored dots (their clamped factors are wrong there).
+    p_off, d_off, r_off = (jnp.where(steep & diagonal, 0.0, x) for x in (p, d, r))
 
     def slice_pass(index, dbeta):
         slice_k = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         gates = g_ref[:, slice_k]
         queries, keys = q_ref[:, slice_k].astype(jnp.float32), k_ref[:, slice_k].astype(jnp.float32)
-        beta_keys = betas * keys
-        # In a steep chunk the factored pass runs on clamped factors and its (wrong) result is discarded
-        # for the exact one's: zeroed copies of p and d for it would hold 64 more registers per thread.
-        factored = _factored_slice(p, d, queries, keys, beta_keys, gates, g_ref, slice_k, precision)
-        y_q, y_k, z = lax.cond(
-            steep, lambda: _exact_slice(p, d, queries, keys, beta_keys, gates, k_ref, g_ref, slice_k),
-            lambda: factored,
+        sub_chunk = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB
+        zeros = jnp.zeros(gates.shape, jnp.float32)
+        y_q, y_k, z = zeros, zeros, zeros
+        for a in range(n_sub):
+            in_a = sub_chunk == a
+            to_start, from_start = split_decay(g_ref, gates, slice_k, a)
+            right = keys * from_start
+            y_q = y_q + jnp.where(in_a, mm(p_off, right, jnp.float32, precision), 0.0) * to_start
+            y_k = y_k + jnp.where(in_a, mm(d_off, right, jnp.float32, precision), 0.0) * to_start
+            column = mm_tn(p_off, queries * to_start, jnp.float32, precision)
+            z = z + (column + mm_tn(r_off, keys * to_start, jnp.float32, precision)) * from_start
+        exact = lax.cond(
+            steep,
+            lambda: _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k, diagonal),
+            lambda: (zeros, zeros, zeros),
         )
+        y_q, y_k, z = y_q + exact[0], y_k + exact[1], z + exact[2]
         dq_ref[:, slice_k] = y_q
         dk_ref[:, slice_k] = betas * y_k + z
-        # betas * keys again, not beta_keys: keeping that tile live to here spilled more (600 bytes vs 572).
         dg_ref[:, slice_k] = queries * y_q + betas * keys * y_k - keys * z
         return dbeta + jnp.sum(keys * y_k, axis=1)
 
