@@ -231,6 +231,7 @@ INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k32w4s1": dict(block_k=32, num_warps=4, num_stages=1),
                   "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4),
                   "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3)}
+CUMSUM_VARIANTS = {"w4": dict(num_warps=4), "w8": dict(num_warps=8), "w2": dict(num_warps=2)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
                       "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
@@ -286,7 +287,9 @@ def time_stages(row: dict, q, k, v, g, beta, scale: float, sweep: str) -> None:
     launch variant)."""
     chunk = 64
     swept = set(sweep.split(","))
-    gates = staged(row, "cumsum", jax.jit(functools.partial(chunk_local_cumsum, chunk=chunk)), g)
+    gates = time_variants(
+        row, "cumsum", CUMSUM_VARIANTS, swept, lambda s: functools.partial(chunk_local_cumsum, chunk=chunk, **s), g
+    )
     (inverse, aqk), (w, u, kg, qg, decay) = time_variants(  # q, k normalized inside, as the forward calls it
         row, "intra", INTRA_VARIANTS, swept,
         lambda s: functools.partial(chunk_intra, scale=scale, l2_normalize=True, chunk=chunk, **s),
@@ -393,7 +396,7 @@ def main() -> None:
     parser.add_argument("--tokamax", action="store_true", help="also tokamax's xla_chunked KDA (its wheels carried)")
     parser.add_argument("--stages", type=int, default=1, help="time the Pallas stages on this many shapes")
     parser.add_argument("--sweep", default="", help="kernels whose launch variants to time: all, or some of "
-                        "intra,state,state_output,wy,state_bwd,grad,intra_bwd (comma-separated)")
+                        "cumsum,intra,state,state_output,wy,state_bwd,grad,intra_bwd (comma-separated)")
     parser.add_argument("--first", type=int, default=0, help="skip the SHAPES before this index")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of SHAPES to run")
     parser.add_argument("--chunk", type=int, default=64, help="our Pallas path's chunk size (the stages use 64)")
@@ -417,7 +420,7 @@ def main() -> None:
     default = lambda kernel, variants: f"{kernel}_{next(iter(variants))}_ms"  # noqa: E731
     columns = ["shape", "err_ours", "err_state", "err_fla", "err_tokamax", "fla_ms", "fla_graph_ms", "pallas_ms",
                "ratio", "xla_ms", "tokamax_ms", "tokamax_fb_ms",
-               "cumsum_ms", default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS),
+               default("cumsum", CUMSUM_VARIANTS), default("intra", INTRA_VARIANTS), default("state", STATE_VARIANTS),
                default("state_output", STATE_OUTPUT_VARIANTS),
                default("wy", WY_VARIANTS), default("state_bwd", STATE_BWD_VARIANTS), default("grad", GRAD_VARIANTS),
                default("intra_bwd", INTRA_BWD_VARIANTS),
@@ -425,7 +428,7 @@ def main() -> None:
                "tokamax_error", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)])
     for row in rows:
-        variants = [name for name in row if name.startswith(("intra_", "state", "grad_", "wy_"))]
+        variants = [name for name in row if name.startswith(("cumsum_", "intra_", "state", "grad_", "wy_"))]
         if len(variants) > 3:
             print(row["shape"], "  ".join(f"{name.removesuffix('_ms')} {row[name]}" for name in variants))
 
