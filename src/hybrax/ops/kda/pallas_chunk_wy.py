@@ -26,11 +26,12 @@ def write_wy(
     inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
     *, query_rows, key_rows, block_k: int, block_v: int, compute_dtype, precision,
 ) -> None:
-    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse`, fp32 [C, C]), K and V taken in
+    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse` [C, C]), K and V taken in
     slices of `block_k` and `block_v` columns; rows of q and k times `query_rows` and `key_rows` ([C, 1]
     or 1.0: stage 1 normalizes them here)."""
     chunk = q_ref.shape[0]
     betas = beta_ref[...].astype(jnp.float32)[:, None]
+    inverse = inverse.astype(compute_dtype)  # once for every slice's dot (bf16: half the registers)
 
     def keys_slice(index, carry):
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
@@ -67,7 +68,7 @@ def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
 
 def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
     write_wy(
-        inverse_ref[...].astype(jnp.float32), q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
+        inverse_ref[...], q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
         query_rows=1.0, key_rows=1.0, block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype, precision=precision,
     )
 
