@@ -69,7 +69,8 @@ def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
 def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
     write_wy(
         inverse_ref[...], q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
-        query_rows=1.0, key_rows=1.0, block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype, precision=precision,
+        query_rows=1.0, key_rows=1.0, block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype,
+        precision=precision,
     )
 
 
