@@ -254,11 +254,13 @@ def test_wy_recompute_matches_stage_1(dtype):
     assert_close(chunk_wy(q, k, v, gates, beta, inverse, interpret=True), wy, 1e-6, "w, u, kg, qg, decay")
 
 
+@pytest.mark.parametrize("gates", ["fast", "hard"])
 @pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
-def test_stage_1_normalizes_inside(dtype, tolerance):
+def test_stage_1_normalizes_inside(dtype, tolerance, gates):
     # Stage 1 on raw q, k with the norms and scale as row and column factors gives what it gives on
-    # `prepare_qk`'s normalized copies (bf16: those copies are rounded, the factors are not), with GQA.
-    q, k, v, g, beta = inputs(200, 1, 128, 2, 4, 64, 32, dtype, fast_gates=True)
+    # `prepare_qk`'s normalized copies (bf16: those copies are rounded, the factors are not), with GQA,
+    # through the factored scores (fast gates) and the steep chunks' exact ones (hard gates).
+    q, k, v, g, beta = inputs(200, 1, 128, 2, 4, 64, 32, dtype, fast_gates=gates == "fast", hard_gates=gates == "hard")
     q = q * 7.0  # norms far from 1
     gates = chunk_local_cumsum(g, chunk=64, interpret=True)
     fused = chunk_intra(q, k, v, gates, beta, scale=0.125, l2_normalize=True, interpret=True)
