@@ -40,7 +40,7 @@ from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
     SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
 )
-from hybrax.ops.kda.reference import L2_EPS
+from hybrax.ops.kda.xla_scan import inverse_l2_norm
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
 # as a matmul: exp(60) = 1e26 keeps the factors and their products far from fp32's limits (3e38).
@@ -165,8 +165,9 @@ def row_factors(q_ref, k_ref, scale: float, l2_normalize: bool, block_k: int) ->
         return tuple(total + jnp.sum(jnp.square(ref[:, cols].astype(jnp.float32)), axis=1)
                      for total, ref in zip(sums, (q_ref, k_ref)))
 
-    query_sums, key_sums = lax.fori_loop(0, q_ref.shape[1] // block_k, add_squares, (0.0 * ones, 0.0 * ones))
-    return scale * lax.rsqrt(query_sums + L2_EPS), lax.rsqrt(key_sums + L2_EPS)  # as `xla_scan.l2_normalize`
+    zeros = jnp.zeros_like(ones)
+    query_sums, key_sums = lax.fori_loop(0, q_ref.shape[1] // block_k, add_squares, (zeros, zeros))
+    return scale * inverse_l2_norm(query_sums), inverse_l2_norm(key_sums)
 
 
 def _intra_kernel(

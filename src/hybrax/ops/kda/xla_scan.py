@@ -18,8 +18,13 @@ from hybrax.ops.kda.reference import L2_EPS
 EXACT = lax.Precision.HIGHEST
 
 
+def inverse_l2_norm(sum_of_squares: jax.Array) -> jax.Array:
+    """1 / |x| from sum(x^2), with the epsilon every implementation uses (`reference.L2_EPS`)."""
+    return lax.rsqrt(sum_of_squares + L2_EPS)
+
+
 def l2_normalize(x: jax.Array) -> jax.Array:
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+    return x * inverse_l2_norm(jnp.sum(x * x, axis=-1, keepdims=True))
 
 
 def value_head_qk(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
