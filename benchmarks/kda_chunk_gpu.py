@@ -238,19 +238,25 @@ INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
 GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3),
                  "k32v64w4s1": dict(block_k=32, block_v=64, num_warps=4, num_stages=1),
                  "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4)}
-STATE_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
+# The state passes take 32 value columns per program, 16 below a wave of 32-column programs
+# (`pallas_chunk_state.default_block_v`): the first variant of each is that choice.
+STATE_VARIANTS = {"w4s3": dict(num_warps=4, num_stages=3),
+                  "v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
+                  "v16w4s3": dict(block_v=16, num_warps=4, num_stages=3),
                   "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
                   "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
 # The forward's state pass with the output: each chunk adds two dots off the recurrence's critical path,
 # so fewer value columns per program (more programs in flight per SM) may hide them better.
-STATE_OUTPUT_VARIANTS = {"v32w4": dict(block_v=32, num_warps=4),
+STATE_OUTPUT_VARIANTS = {"w4": dict(num_warps=4),
+                         "v32w4": dict(block_v=32, num_warps=4),
                          "v16w4": dict(block_v=16, num_warps=4),
                          "v16w2": dict(block_v=16, num_warps=2),
                          "v64w4": dict(block_v=64, num_warps=4),
                          "v32w8": dict(block_v=32, num_warps=8)}
-STATE_BWD_VARIANTS = {"v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
-                      "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2),
-                      "v32w4s4": dict(block_v=32, num_warps=4, num_stages=4)}
+STATE_BWD_VARIANTS = {"w4s3": dict(num_warps=4, num_stages=3),
+                      "v32w4s3": dict(block_v=32, num_warps=4, num_stages=3),
+                      "v16w4s3": dict(block_v=16, num_warps=4, num_stages=3),
+                      "v32w4s2": dict(block_v=32, num_warps=4, num_stages=2)}
 # The backward's recompute of w, u, kg, qg from the kept T (whole K and V per program: no loop to
 # pipeline but the row loads).
 WY_VARIANTS = {"w4s1": dict(num_warps=4, num_stages=1), "w4s3": dict(num_warps=4, num_stages=3)}

@@ -20,7 +20,8 @@ from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunk
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
-from hybrax.ops.kda.pallas_chunk_state import Segments
+from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state, chunk_state_output, default_block_v
+from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
@@ -266,3 +267,20 @@ def test_stage_1_normalizes_inside(dtype, tolerance, gates):
     fused = chunk_intra(q, k, v, gates, beta, scale=0.125, l2_normalize=True, interpret=True)
     expected = chunk_intra(*prepare_qk(q, k, 0.125, True), v, gates, beta, interpret=True)
     assert_close(fused, expected, tolerance, "T, A_qk, w, u, kg, qg, decay")
+
+
+def test_state_passes_agree_across_value_blocks():
+    # The state passes take 16 value columns per program below a wave of 32-column programs
+    # (`default_block_v`); both widths, each over several value blocks, give the same states and outputs.
+    assert default_block_v(rows=16, dv=128) == 16 and default_block_v(rows=32, dv=128) == 32
+    w, kg, qg = (normal(210 + i, (1, 128, 2, 32)) for i in range(3))
+    u, d_out = normal(213, (1, 128, 2, 64)), normal(214, (1, 128, 2, 64))
+    aqk = jnp.tril(normal(215, (1, 2, 2, 64, 64))).transpose(0, 1, 3, 2, 4).reshape(1, 128, 2, 64)
+    decay = jax.random.uniform(jax.random.key(216), (1, 2, 2, 32), minval=0.5, maxval=1.0)
+    h0 = normal(217, (1, 2, 32, 64))
+    for run in (
+        lambda **b: chunk_state(w, u, kg, decay, h0, interpret=True, **b),
+        lambda **b: chunk_state_output(w, u, kg, decay, qg, aqk, h0, interpret=True, **b),
+        lambda **b: chunk_state_bwd(qg, kg, w, aqk, d_out, decay, h0, interpret=True, **b),
+    ):
+        assert_close(run(block_v=16), [to64(x) for x in run(block_v=32)], 1e-6, "16 against 32 value columns")

@@ -154,7 +154,7 @@ def kda_chunk_fwd_solved(
     scale: float,
     l2_normalize: bool = True,
     chunk: int = 64,
-    block_v: int = 32,
+    block_v: int | None = None,
     state_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"], Solved]:

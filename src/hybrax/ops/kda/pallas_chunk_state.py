@@ -94,9 +94,22 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
         final_ref[...] = lax.fori_loop(0, n_chunks, step, state_tile(h0_ref, ..., shape))
 
 
+# A state pass is serial over chunks with one program per (value block, value head, sequence), so at
+# fewer than a wave of programs of 32 value columns, 16 columns put twice as many SMs to work. H200,
+# bf16, ms with 32 / 16 columns: (1, 32768, 16, 128), 64 programs of 32: state with output 0.864 / 0.785,
+# state 0.834 / 0.745, reverse state 0.972 / 0.862; (2, 16384, 16, 128), 128 programs of 32: 0.454 / 0.791,
+# 0.456 / 0.448, 0.519 / 0.851 (BENCHMARKS.md).
+FULL_WAVE = 128
+
+
+def default_block_v(rows: int, dv: int) -> int:
+    """The value columns per program of a state pass over `rows` = batch x value heads."""
+    return 32 if rows * (dv // 32) >= FULL_WAVE else 16
+
+
 def state_pass_call(
     kernel: Callable, rows: Sequence[jax.Array], values: jax.Array, decay: jax.Array, states: jax.Array | None,
-    segments: Segments | None, *, chunk: int, block_v: int, num_warps: int, num_stages: int | None,
+    segments: Segments | None, *, chunk: int, block_v: int | None, num_warps: int, num_stages: int | None,
     interpret: bool, name: str, chunk_states: bool = True,
 ) -> tuple[jax.Array, ...]:
     """Launch a state pass: one program per (value block, value head, batch) over whole sequences.
@@ -106,12 +119,12 @@ def state_pass_call(
     states [B | N, HV, K, V] or None (required with `segments`). Returns ([B, NT, HV, K, V] and
     [B, T, HV, V] in the rows' dtype, [B | N, HV, K, V] fp32); without `chunk_states` the kernel has
     no per-chunk states out. `num_stages` None: `pipeline_stages`' choice for the rows' dtype and K (2
-    where three were not measured).
+    where three were not measured); `block_v` None: `default_block_v`'s.
     """
     batch, length, heads, dk = decay.shape[0], values.shape[1], values.shape[2], decay.shape[3]
     dv = values.shape[3]
     n_chunks = length // chunk
-    block_v = min(block_v, dv)
+    block_v = min(block_v or default_block_v(batch * heads, dv), dv)
     if segments is not None and states is None:
         raise ValueError(f"{name}: packed sequences need their states (zeros for none)")
     count = batch if segments is None else states.shape[0]
@@ -167,7 +180,7 @@ def _forward_pass(
 @functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_state(
     w: jax.Array, u: jax.Array, kg: jax.Array, decay: jax.Array, initial_state: jax.Array | None,
-    segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32, num_warps: int = 4,
+    segments: Segments | None = None, *, chunk: int = 64, block_v: int | None = None, num_warps: int = 4,
     num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Stage 2: w, kg [B, T, HV, K]; u [B, T, HV, V]; decay [B, NT, HV, K]; initial_state [B, HV, K, V] or None
@@ -188,7 +201,8 @@ def chunk_state(
 )
 def chunk_state_output(
     w: jax.Array, u: jax.Array, kg: jax.Array, decay: jax.Array, qg: jax.Array, aqk: jax.Array,
-    initial_state: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32,
+    initial_state: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64,
+    block_v: int | None = None,
     num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Stages 2 and 3 in one pass (the forward's): `chunk_state`'s arguments and qg [B, T, HV, K],

@@ -66,7 +66,7 @@ def _state_bwd_kernel(
 @functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_state_bwd(
     qg: jax.Array, kg: jax.Array, w: jax.Array, aqk: jax.Array, d_out: jax.Array, decay: jax.Array,
-    d_final: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64, block_v: int = 32,
+    d_final: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64, block_v: int | None = None,
     num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qg, kg, w [B, T, HV, K]; A_qk [B, T, HV, chunk]; dO [B, T, HV, V] (all one dtype); decay
