@@ -48,12 +48,14 @@ STEEP = 60.0
 
 
 def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
-    """(I + L)^-1 for a strictly lower n x n L (n a power of two), log2(n) doubling rounds: with X the
-    inverse of the block diagonal of size s, [[A, 0], [L21, B]]^-1 = X - X L_s X (L_s: the L21 blocks)."""
+    """(I + L)^-1 for a strictly lower n x n L (n a power of two >= 2), log2(n) doubling rounds: with X
+    the inverse of the block diagonal of size s, [[A, 0], [L21, B]]^-1 = X - X L_s X (L_s: the L21 blocks).
+    The first round needs no dots: the inverse of [[1, 0], [l, 1]] is [[1, 0], [-l, 1]]."""
     n = strict_lower.shape[0]
     rows, cols = index_grid(n)
-    inverse = (rows == cols).astype(jnp.float32)
-    size = 1
+    pairs = ((rows // 2) == (cols // 2)) & (rows > cols)
+    inverse = (rows == cols).astype(jnp.float32) - jnp.where(pairs, strict_lower, 0.0)
+    size = 2
     while size < n:
         link = ((rows // (2 * size)) == (cols // (2 * size))) & ((rows // size) > (cols // size))
         coupling = mm(jnp.where(link, strict_lower, 0.0), inverse, jnp.float32, precision)
@@ -171,9 +173,10 @@ def row_factors(q_ref, k_ref, scale: float, l2_normalize: bool, block_k: int) ->
 
 
 def _intra_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, aqk_ref, *wy_refs,
+    q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs, with_inverse: bool,
     scale: float, l2_normalize: bool, block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
+    inverse_ref, aqk_ref, *wy_refs = out_refs if with_inverse else (None, *out_refs)
     rows, cols = index_grid(q_ref.shape[0])
     akk, aqk = lax.cond(
         steep_chunk(g_ref),
@@ -189,7 +192,8 @@ def _intra_kernel(
     aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)  # stored first: its registers free
     betas = beta_ref[...].astype(jnp.float32)[:, None] * key_rows
     inverse = unit_lower_inverse(jnp.where(rows > cols, akk * betas * key_cols, 0.0), precision)
-    inverse_ref[...] = inverse.astype(inverse_ref.dtype)
+    if with_inverse:
+        inverse_ref[...] = inverse.astype(inverse_ref.dtype)
     write_wy(
         inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
         query_rows=query_norms[:, None], key_rows=key_rows,
@@ -200,12 +204,14 @@ def _intra_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "l2_normalize", "chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"
+        "scale", "l2_normalize", "chunk", "with_inverse", "block_k", "block_v", "num_warps", "num_stages",
+        "interpret",
     ),
 )
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
-    scale: float = 1.0, l2_normalize: bool = False, chunk: int = 64, block_k: int = 32, block_v: int = 64,
+    scale: float = 1.0, l2_normalize: bool = False, chunk: int = 64, with_inverse: bool = True, block_k: int = 32,
+    block_v: int = 64,
     num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative log decay (fp32); beta
@@ -213,30 +219,32 @@ def chunk_intra(
     takes q and k as `prepare_qk(q, k, scale, l2_normalize)` would give them (the defaults: as they come).
 
     Returns (T = (I + A_kk)^-1, A_qk), each [B, T, HV, chunk] (row t: row t % chunk of its chunk's
-    matrix, zeros above the diagonal), and `chunk_wy`'s (w, u, kg, qg, decay), in the inputs' dtype
-    (decay fp32).
+    matrix, zeros above the diagonal; T None without `with_inverse`: only the backward reads it), and
+    `chunk_wy`'s (w, u, kg, qg, decay), in the inputs' dtype (decay fp32).
     """
     dk, dv = q.shape[3], v.shape[3]
     batch, length, value_heads = v.shape[:3]
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, scale=scale, l2_normalize=l2_normalize, block_k=min(block_k, dk), block_v=min(block_v, dv),
-        precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
+        _intra_kernel, with_inverse=with_inverse, scale=scale, l2_normalize=l2_normalize, block_k=min(block_k, dk),
+        block_v=min(block_v, dv), precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)
     wy_out_specs, wy_out_shape = wy_specs(chunk, q, v)
     square = jax.ShapeDtypeStruct((batch, length, value_heads, chunk), q.dtype)
-    inverse, aqk, *wy = pl.pallas_call(
+    squares = 2 if with_inverse else 1
+    outputs = pl.pallas_call(
         kernel,
         grid=(length // chunk, value_heads, batch),
         in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk)],
-        out_specs=[rows(chunk), rows(chunk), *wy_out_specs],
-        out_shape=[square, square, *wy_out_shape],
+        out_specs=[*[rows(chunk)] * squares, *wy_out_specs],
+        out_shape=[*[square] * squares, *wy_out_shape],
         compiler_params=pltriton.CompilerParams(
             num_warps=num_warps, num_stages=num_stages or pipeline_stages(q.dtype, dk)
         ),
         interpret=interpret,
         name="kda_chunk_intra",
     )(q, k, v, g, beta)
-    return (inverse, aqk), tuple(wy)
+    scores = outputs[:squares] if with_inverse else [None, outputs[0]]
+    return tuple(scores), tuple(outputs[squares:])
