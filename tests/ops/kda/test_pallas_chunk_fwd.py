@@ -19,10 +19,11 @@ from hybrax.ops.kda import api, reference
 from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunked)
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk
-from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
+from hybrax.ops.kda.pallas_chunk_intra import chunk_intra, unit_lower_inverse
 from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state, chunk_state_output, default_block_v
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
+from hybrax.ops.kda.pallas_tiles import EXACT
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
 
@@ -284,3 +285,14 @@ def test_state_passes_agree_across_value_blocks():
         lambda **b: chunk_state_bwd(qg, kg, w, aqk, d_out, decay, h0, interpret=True, **b),
     ):
         assert_close(run(block_v=16), [to64(x) for x in run(block_v=32)], 1e-6, "16 against 32 value columns")
+
+
+@pytest.mark.parametrize("n", [16, 32, 64])
+@pytest.mark.parametrize("kind", ["random", "ones"])
+def test_unit_lower_inverse(n, kind):
+    # Against numpy's inverse, through every block growth (2 rows without dots, 4x, 2x); all-ones L (identical
+    # unit keys, beta 1, no decay) is the case whose powers grow fastest (its inverse is bidiagonal).
+    rng = np.random.default_rng(n)
+    lower = np.tril(rng.normal(size=(n, n)) * 0.3 if kind == "random" else np.ones((n, n)), -1)
+    got = unit_lower_inverse(jnp.asarray(lower, jnp.float32), EXACT)
+    assert_close(got, np.linalg.inv(np.eye(n) + lower), 1e-6, "(I + L)^-1")

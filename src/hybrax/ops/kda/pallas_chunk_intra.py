@@ -48,19 +48,28 @@ STEEP = 60.0
 
 
 def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
-    """(I + L)^-1 for a strictly lower n x n L (n a power of two >= 2), log2(n) doubling rounds: with X
-    the inverse of the block diagonal of size s, [[A, 0], [L21, B]]^-1 = X - X L_s X (L_s: the L21 blocks).
-    The first round needs no dots: the inverse of [[1, 0], [l, 1]] is [[1, 0], [-l, 1]]."""
+    """(I + L)^-1 for a strictly lower n x n L (n a power of two >= 2), from the inverse X of its block
+    diagonal, the blocks growing from 2 rows: the inverse of [[1, 0], [l, 1]] is [[1, 0], [-l, 1]] (no
+    dots); then blocks 4x as large at once while they fit, else 2x.
+
+    With L_off the part of L below X's blocks within blocks of 4 (or 2) of them, I + L = (I + N)(I + L_d)
+    for N = L_off X, so (I + L)^-1 = X (I + N)^-1, and N is nilpotent: N^4 = 0 (N^2 = 0 for 2 blocks), so
+    (I + N)^-1 = (I - N)(I + N^2) (or I - N). Four dots, three deep, grow the blocks 4x (two rounds of
+    doubling: four dots, four deep)."""
     n = strict_lower.shape[0]
     rows, cols = index_grid(n)
     pairs = ((rows // 2) == (cols // 2)) & (rows > cols)
     inverse = (rows == cols).astype(jnp.float32) - jnp.where(pairs, strict_lower, 0.0)
     size = 2
     while size < n:
-        link = ((rows // (2 * size)) == (cols // (2 * size))) & ((rows // size) > (cols // size))
-        coupling = mm(jnp.where(link, strict_lower, 0.0), inverse, jnp.float32, precision)
-        inverse = inverse - mm(inverse, coupling, jnp.float32, precision)
-        size *= 2
+        growth = 4 if 4 * size <= n else 2
+        below = ((rows // (growth * size)) == (cols // (growth * size))) & ((rows // size) > (cols // size))
+        coupling = mm(jnp.where(below, strict_lower, 0.0), inverse, jnp.float32, precision)
+        first = inverse - mm(inverse, coupling, jnp.float32, precision)
+        if growth == 4:
+            first = first + mm(first, mm(coupling, coupling, jnp.float32, precision), jnp.float32, precision)
+        inverse = first
+        size *= growth
     return inverse
 
 
