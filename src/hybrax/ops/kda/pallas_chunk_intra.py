@@ -22,7 +22,7 @@ Three quarters of each dot's left operand is zeros: on the H200 the tensor cores
 took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
 (1, 8192, 32, 128) bf16 (BENCHMARKS.md). [16, C] row blocks stacked into the tile afterwards do a
 quarter of the dot work but took 1.82 ms there against 0.75: Triton's stacking (join, transpose,
-reshape) costs far more than the zeros. T follows by doubling on the whole tile.
+reshape) costs far more than the zeros. T follows on the whole tile by growing inverted diagonal blocks (`unit_lower_inverse`).
 """
 
 from __future__ import annotations
