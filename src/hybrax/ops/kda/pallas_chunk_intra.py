@@ -22,7 +22,8 @@ Three quarters of each dot's left operand is zeros: on the H200 the tensor cores
 took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
 (1, 8192, 32, 128) bf16 (BENCHMARKS.md). [16, C] row blocks stacked into the tile afterwards do a
 quarter of the dot work but took 1.82 ms there against 0.75: Triton's stacking (join, transpose,
-reshape) costs far more than the zeros. T follows on the whole tile by growing inverted diagonal blocks (`unit_lower_inverse`).
+reshape) costs far more than the zeros. T follows on the whole tile by growing inverted diagonal blocks
+(`unit_lower_inverse`).
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def chunk_intra(
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
         _intra_kernel, with_inverse=with_inverse, scale=scale, l2_normalize=l2_normalize, block_k=min(block_k, dk),
-        block_v=min(block_v, dv), precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype, wy_precision=wy_precision,
+        block_v=min(block_v, dv), precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype,
+        wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)
     wy_out_specs, wy_out_shape = wy_specs(chunk, q, v)
