@@ -40,13 +40,14 @@ GATES = ("activated", "softplus", "bounded")
 MAX_UNROLLED_TOKENS = 8
 
 
-def _log_decay(raw, a_log_ref, dt_bias_ref, lower_bound, head, gate: str):
-    """The in-kernel copy of `gate.fused_gate` for one (token, value head): raw [K] or [1] -> [K] or [1]."""
+def _log_decay(raw, a_log, dt_bias, lower_bound, gate: str):
+    """The in-kernel copy of `gate.fused_gate` for one (token, value head): raw [K] or [1] -> [K] or [1];
+    a_log and dt_bias that value head's (or None)."""
     if gate == "activated":
         return raw
-    if dt_bias_ref is not None:
-        raw = raw + dt_bias_ref[head, :].astype(jnp.float32)
-    rate = 1.0 if a_log_ref is None else jnp.exp(a_log_ref[head].astype(jnp.float32))
+    if dt_bias is not None:
+        raw = raw + dt_bias
+    rate = 1.0 if a_log is None else jnp.exp(a_log)
     if gate == "softplus":
         return -rate * jax.nn.softplus(raw)
     return lower_bound * jax.nn.sigmoid(rate * raw)
@@ -74,16 +75,26 @@ def _decode_kernel(
     def tile(row):  # the program's view of one state row: [BV, K] V-first, [K, BV] K-first
         return state_ref.at[row, head, cols, :] if v_first else state_ref.at[row, head, :, cols]
 
-    def token_step(t, state):
-        q = q_ref[b, t, head // group, :].astype(jnp.float32)
-        k = k_ref[b, t, head // group, :].astype(jnp.float32)
+    def token_inputs(t):
+        """Token t's q, k, v, raw gate and beta in fp32. Loaded before any arithmetic: ptxas moves no load
+        across the barriers of the reductions over K, so each load issued after one waited out a whole
+        memory round trip of its own (four of them per step)."""
+        return tuple(x.astype(jnp.float32) for x in (
+            q_ref[b, t, head // group, :], k_ref[b, t, head // group, :], v_ref[b, t, head, cols],
+            g_ref[b, t, head, :], beta_ref[b, t, head],
+        ))
+
+    a_log = None if a_log_ref is None else a_log_ref[head].astype(jnp.float32)
+    dt_bias = None if dt_bias_ref is None else dt_bias_ref[head, :].astype(jnp.float32)
+
+    def token_step(t, state, inputs=None):
+        q, k, v, raw_gate, beta = token_inputs(t) if inputs is None else inputs
         if use_qk_l2norm:
             q, k = l2_normalize(q), l2_normalize(k)
-        decay = _log_decay(g_ref[b, t, head, :].astype(jnp.float32), a_log_ref, dt_bias_ref, lower_bound, head, gate)
-        beta = beta_ref[b, t, head].astype(jnp.float32)
+        decay = _log_decay(raw_gate, a_log, dt_bias, lower_bound, gate)
         beta = jax.nn.sigmoid(beta) if beta_is_logits else beta
         state = state * along_keys(jnp.exp(decay))
-        error = v_ref[b, t, head, cols].astype(jnp.float32) - jnp.sum(state * along_keys(k), axis=key_axis)
+        error = v - jnp.sum(state * along_keys(k), axis=key_axis)
         state = state + along_keys(k) * along_values(beta * error)
         o_ref[b, t, head, cols] = jnp.sum(state * along_keys(q * scale), axis=key_axis).astype(o_ref.dtype)
         if token_slots_ref is not None:
@@ -98,8 +109,9 @@ def _decode_kernel(
     def advance():
         state = tile(slot)[...]
         if tokens <= MAX_UNROLLED_TOKENS:  # straight-line code for decode and short speculation
+            inputs = [token_inputs(t) for t in range(tokens)]
             for t in range(tokens):
-                state = token_step(t, state)
+                state = token_step(t, state, inputs[t])
         else:
             state = lax.fori_loop(0, tokens, token_step, state)
         if token_slots_ref is None:
