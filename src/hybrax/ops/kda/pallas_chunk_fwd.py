@@ -135,12 +135,12 @@ def forward_stages(
 def kda_chunk_fwd(*args, **kwargs) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
     """KDA forward: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V] (fp32); the arguments
     of `kda_chunk_fwd_solved`. Stage 1 stores no T: only the backward reads it."""
-    return kda_chunk_fwd_solved(*args, keep_inverse=False, **kwargs)[:2]
+    return kda_chunk_fwd_solved(*args, with_inverse=False, **kwargs)[:2]
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "keep_inverse", "interpret"),
+    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "with_inverse", "interpret"),
 )
 def kda_chunk_fwd_solved(
     q: Float[Array, "B T H K"],
@@ -156,11 +156,11 @@ def kda_chunk_fwd_solved(
     chunk: int = 64,
     block_v: int | None = None,
     state_warps: int = 4,
-    keep_inverse: bool = True,
+    with_inverse: bool = True,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"], Solved]:
     """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and T and A_qk
-    (padded), which the backward takes instead of recomputing them (T None without `keep_inverse`).
+    (padded), which the backward takes instead of recomputing them (T None without `with_inverse`).
 
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the
@@ -172,7 +172,7 @@ def kda_chunk_fwd_solved(
     gates = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
     scores, (w, u, kg, qg, decay) = chunk_intra(  # q, k normalized inside: no pass writes copies first
         x.q, x.k, x.v, gates, x.beta, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
-        with_inverse=keep_inverse, interpret=interpret,
+        with_inverse=with_inverse, interpret=interpret,
     )
     solved = Solved(*scores)
     o, final_state = chunk_state_output(

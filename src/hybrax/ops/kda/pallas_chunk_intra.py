@@ -221,8 +221,7 @@ def _intra_kernel(
 def chunk_intra(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
     scale: float = 1.0, l2_normalize: bool = False, chunk: int = 64, with_inverse: bool = True, block_k: int = 32,
-    block_v: int = 64,
-    num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
+    block_v: int = 64, num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative log decay (fp32); beta
     [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a multiple of H. The kernel
@@ -257,5 +256,4 @@ def chunk_intra(
         interpret=interpret,
         name="kda_chunk_intra",
     )(q, k, v, g, beta)
-    scores = outputs[:squares] if with_inverse else [None, outputs[0]]
-    return tuple(scores), tuple(outputs[squares:])
+    return (outputs[0] if with_inverse else None, outputs[squares - 1]), tuple(outputs[squares:])

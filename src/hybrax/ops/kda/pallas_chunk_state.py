@@ -202,8 +202,7 @@ def chunk_state(
 def chunk_state_output(
     w: jax.Array, u: jax.Array, kg: jax.Array, decay: jax.Array, qg: jax.Array, aqk: jax.Array,
     initial_state: jax.Array | None, segments: Segments | None = None, *, chunk: int = 64,
-    block_v: int | None = None,
-    num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
+    block_v: int | None = None, num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Stages 2 and 3 in one pass (the forward's): `chunk_state`'s arguments and qg [B, T, HV, K],
     A_qk [B, T, HV, chunk]. Returns o [B, T, HV, V] (input dtype) and the final state as `chunk_state`;
