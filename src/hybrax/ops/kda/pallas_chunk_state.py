@@ -70,7 +70,14 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
     shape = final_ref.shape[1:] if packed else final_ref.shape
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
 
-    def step(t, state):
+    n_chunks = decay_ref.shape[0]
+
+    def step(t, carry):
+        state, decay = carry
+        # The next chunk's decay, read a chunk ahead: Triton pipelines only the dots' operands, and ptxas
+        # moves no load across the dots' barriers, so read where it is used it waits out a memory round trip
+        # inside every chunk's serial chain.
+        next_decay = decay_ref[jnp.minimum(t + 1, n_chunks - 1), :]
         if packed:
             sequence = sequence_ref[t]
             state = restart(state, first_ref, h0_ref, sequence, t, shape)
@@ -82,16 +89,15 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
         else:
             h_ref[t, :, :] = state_in.astype(h_ref.dtype)
             v_new_ref[rows, :] = v_new
-        state = decay_ref[t, :][:, None] * state + mm_tn(kg_ref[rows, :], v_new, compute_dtype, precision)
+        state = decay[:, None] * state + mm_tn(kg_ref[rows, :], v_new, compute_dtype, precision)
         if packed:
             emit(state, last_ref, final_ref, sequence, t)
-        return state
+        return state, next_decay
 
-    n_chunks = decay_ref.shape[0]
-    if packed:
-        lax.fori_loop(0, n_chunks, step, jnp.zeros(shape, jnp.float32))
-    else:
-        final_ref[...] = lax.fori_loop(0, n_chunks, step, state_tile(h0_ref, ..., shape))
+    initial = jnp.zeros(shape, jnp.float32) if packed else state_tile(h0_ref, ..., shape)
+    state, _ = lax.fori_loop(0, n_chunks, step, (initial, decay_ref[0, :]))
+    if not packed:
+        final_ref[...] = state
 
 
 # A state pass is serial over chunks with one program per (value block, value head, sequence), so at

@@ -35,8 +35,10 @@ def _state_bwd_kernel(
     shape = d_initial_ref.shape[1:] if packed else d_initial_ref.shape
     n_chunks = decay_ref.shape[0]
 
-    def step(i, d_state):
+    def step(i, carry):
+        d_state, decay = carry
         t = n_chunks - 1 - i
+        next_decay = decay_ref[jnp.maximum(t - 1, 0), :]  # a chunk ahead, as `pallas_chunk_state` says why
         if packed:
             sequence = sequence_ref[t]
             d_state = restart(d_state, last_ref, d_final_ref, sequence, t, shape)
@@ -49,18 +51,18 @@ def _state_bwd_kernel(
         dv_new = dv_new.astype(compute_dtype)
         dv_new_ref[rows, :] = dv_new
         d_state = (
-            decay_ref[t, :][:, None] * d_state
+            decay[:, None] * d_state
             + mm_tn(qg_ref[rows, :], d_out, compute_dtype, precision)
             - mm_tn(w_ref[rows, :], dv_new, compute_dtype, precision)
         )
         if packed:
             emit(d_state, first_ref, d_initial_ref, sequence, t)
-        return d_state
+        return d_state, next_decay
 
-    if packed:
-        lax.fori_loop(0, n_chunks, step, jnp.zeros(shape, jnp.float32))
-    else:
-        d_initial_ref[...] = lax.fori_loop(0, n_chunks, step, state_tile(d_final_ref, ..., shape))
+    initial = jnp.zeros(shape, jnp.float32) if packed else state_tile(d_final_ref, ..., shape)
+    d_state, _ = lax.fori_loop(0, n_chunks, step, (initial, decay_ref[n_chunks - 1, :]))
+    if not packed:
+        d_initial_ref[...] = d_state
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
