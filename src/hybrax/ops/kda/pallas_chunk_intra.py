@@ -189,8 +189,10 @@ def _intra_kernel(
 ):
     inverse_ref, aqk_ref, *wy_refs = out_refs if with_inverse else (None, *out_refs)
     rows, cols = index_grid(q_ref.shape[0])
+    steep = steep_chunk(g_ref)
+    betas = beta_ref[...].astype(jnp.float32)[:, None]  # read early: a plain load after barriers waits
     akk, aqk = lax.cond(
-        steep_chunk(g_ref),
+        steep,
         lambda: _exact_scores(q_ref, k_ref, g_ref, block_k=block_k),
         lambda: _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision),
     )
@@ -201,12 +203,11 @@ def _intra_kernel(
     key_rows, key_cols = key_norms[:, None], key_norms[None, :]
     aqk = aqk * query_norms[:, None] * key_cols
     aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)  # stored first: its registers free
-    betas = beta_ref[...].astype(jnp.float32)[:, None] * key_rows
-    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * betas * key_cols, 0.0), precision)
+    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * (betas * key_rows) * key_cols, 0.0), precision)
     if with_inverse:
         inverse_ref[...] = inverse.astype(inverse_ref.dtype)
     write_wy(
-        inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
+        inverse, betas, q_ref, k_ref, v_ref, g_ref, *wy_refs,
         query_rows=query_norms[:, None], key_rows=key_rows,
         block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
     )

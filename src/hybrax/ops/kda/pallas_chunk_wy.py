@@ -23,24 +23,24 @@ from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_
 
 
 def write_wy(
-    inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
+    inverse, betas, q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
     *, query_rows, key_rows, block_k: int, block_v: int, compute_dtype, precision,
 ) -> None:
-    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse` [C, C]), K and V taken in
-    slices of `block_k` and `block_v` columns; rows of q and k times `query_rows` and `key_rows` ([C, 1]
-    or 1.0: stage 1 normalizes them here)."""
+    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse` [C, C]) and betas ([C, 1] fp32),
+    K and V taken in slices of `block_k` and `block_v` columns; rows of q and k times `query_rows` and
+    `key_rows` ([C, 1] or 1.0: stage 1 normalizes them here)."""
     chunk = q_ref.shape[0]
-    betas = beta_ref[...].astype(jnp.float32)[:, None]
     inverse = inverse.astype(compute_dtype)  # once for every slice's dot (bf16: half the registers)
 
     def keys_slice(index, carry):
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        gates = g_ref[:, cols]
-        last = g_ref[chunk - 1, cols]
+        # Every read of the slice first: Triton copies ahead only the dots' operands, and ptxas moves no
+        # plain load across the barriers of the dot below, so a read after it waits out its own round trip.
+        gates, last, queries = g_ref[:, cols], g_ref[chunk - 1, cols], q_ref[:, cols]
         keys = k_ref[:, cols].astype(jnp.float32) * key_rows
         w_ref[:, cols] = mm(inverse, keys * betas * jnp.exp(gates), compute_dtype, precision).astype(w_ref.dtype)
         kg_ref[:, cols] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
-        qg_ref[:, cols] = (q_ref[:, cols].astype(jnp.float32) * query_rows * jnp.exp(gates)).astype(qg_ref.dtype)
+        qg_ref[:, cols] = (queries.astype(jnp.float32) * query_rows * jnp.exp(gates)).astype(qg_ref.dtype)
         decay_ref[cols] = jnp.exp(last)
         return carry
 
@@ -68,7 +68,7 @@ def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
 
 def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
     write_wy(
-        inverse_ref[...], q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
+        inverse_ref[...], beta_ref[...].astype(jnp.float32)[:, None], q_ref, k_ref, v_ref, g_ref, *out_refs,
         query_rows=1.0, key_rows=1.0, block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype,
         precision=precision,
     )
