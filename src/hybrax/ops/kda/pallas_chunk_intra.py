@@ -165,22 +165,20 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
 
 def row_factors(q_ref, k_ref, scale: float, l2_normalize: bool, block_k: int) -> tuple[jax.Array, jax.Array]:
     """[C] fp32 factors that take the rows of q and k to `prepare_qk`'s: scale / |q_i| and 1 / |k_i|, from
-    a loop over K slices of `block_k` after the scores. On the H200 (stage 1 alone, BENCHMARKS.md) this
-    took 0.712-0.728 ms; whole [C, K] tiles 1.45, the same loop before the scores 0.89, the squares
-    summed in the score loops 0.723-0.730: at 255 registers, values live across the score loop cost more
-    than loads."""
+    the K slices of `block_k` after the scores, read in straight-line code with one row sum after them (a
+    loop with a row sum per slice put a barrier before each slice's reads, so each waited out a memory round
+    trip). On the H200 (stage 1 alone, BENCHMARKS.md) that loop took 0.712-0.728 ms; whole [C, K] tiles
+    1.45, the loop before the scores 0.89, the squares summed in the score loops 0.723-0.730: at 255
+    registers, values live across the score loop cost more than loads."""
     ones = jnp.ones(q_ref.shape[:1], jnp.float32)
     if not l2_normalize:
         return scale * ones, ones
 
-    def add_squares(index, sums):
-        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        return tuple(total + jnp.sum(jnp.square(ref[:, cols].astype(jnp.float32)), axis=1)
-                     for total, ref in zip(sums, (q_ref, k_ref)))
+    def squares(ref):  # [C, block_k] sums of squares over the K slices, one row sum after them
+        slices = [ref[:, pl.ds(index * block_k, block_k)] for index in range(ref.shape[1] // block_k)]
+        return jnp.sum(functools.reduce(jnp.add, [jnp.square(x.astype(jnp.float32)) for x in slices]), axis=1)
 
-    zeros = jnp.zeros_like(ones)
-    query_sums, key_sums = lax.fori_loop(0, q_ref.shape[1] // block_k, add_squares, (zeros, zeros))
-    return scale * inverse_l2_norm(query_sums), inverse_l2_norm(key_sums)
+    return scale * inverse_l2_norm(squares(q_ref)), inverse_l2_norm(squares(k_ref))
 
 
 def _intra_kernel(
