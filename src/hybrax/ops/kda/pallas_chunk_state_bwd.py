@@ -22,7 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from hybrax.ops.kda.pallas_chunk_state import Segments, emit, restart, state_pass_call, state_tile
+from hybrax.ops.kda.pallas_chunk_state import (
+    Segments, chunk_scalars, emit, restart, state_pass_call, state_tile,
+)
 from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn
 
 
@@ -35,13 +37,15 @@ def _state_bwd_kernel(
     shape = d_initial_ref.shape[1:] if packed else d_initial_ref.shape
     n_chunks = decay_ref.shape[0]
 
+    segment_refs = (sequence_ref, first_ref, last_ref) if packed else ()
+
     def step(i, carry):
-        d_state, decay = carry
+        d_state, (decay, segment) = carry
         t = n_chunks - 1 - i
-        next_decay = decay_ref[jnp.maximum(t - 1, 0), :]  # a chunk ahead, as `pallas_chunk_state` says why
+        ahead = chunk_scalars(decay_ref, segment_refs, jnp.maximum(t - 1, 0))  # read a chunk ahead: see there
         if packed:
-            sequence = sequence_ref[t]
-            d_state = restart(d_state, last_ref, d_final_ref, sequence, t, shape)
+            sequence, first, last = segment
+            d_state = restart(d_state, last, d_final_ref, sequence, shape)
         rows = pl.ds(t * chunk, chunk)
         dh_ref[t, :, :] = d_state.astype(dh_ref.dtype)
         d_out = d_out_ref[rows, :]
@@ -56,11 +60,12 @@ def _state_bwd_kernel(
             - mm_tn(w_ref[rows, :], dv_new, compute_dtype, precision)
         )
         if packed:
-            emit(d_state, first_ref, d_initial_ref, sequence, t)
-        return d_state, next_decay
+            emit(d_state, first, d_initial_ref, sequence)
+        return d_state, ahead
 
     initial = jnp.zeros(shape, jnp.float32) if packed else state_tile(d_final_ref, ..., shape)
-    d_state, _ = lax.fori_loop(0, n_chunks, step, (initial, decay_ref[n_chunks - 1, :]))
+    last_chunk = chunk_scalars(decay_ref, segment_refs, n_chunks - 1)
+    d_state, _ = lax.fori_loop(0, n_chunks, step, (initial, last_chunk))
     if not packed:
         d_initial_ref[...] = d_state
 
