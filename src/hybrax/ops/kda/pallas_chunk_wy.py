@@ -32,17 +32,28 @@ def write_wy(
     chunk = q_ref.shape[0]
     inverse = inverse.astype(compute_dtype)  # once for every slice's dot (bf16: half the registers)
 
-    def keys_slice(index, carry):
-        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        # Every read of the slice first: Triton copies ahead only the dots' operands, and ptxas moves no
-        # plain load across the barriers of the dot below, so a read after it waits out its own round trip.
-        gates, last, queries = g_ref[:, cols], g_ref[chunk - 1, cols], q_ref[:, cols]
+    slices = q_ref.shape[1] // block_k
+
+    def key_cols(index):  # the slice's columns (a Python int index is already a known multiple)
+        start = index * block_k
+        return pl.ds(start if isinstance(index, int) else pl.multiple_of(start, block_k), block_k)
+
+    def plain_reads(index):
+        """A slice's gates, last gate row and queries. Read a slice ahead (carried): Triton copies ahead only
+        the dots' operands, and ptxas moves no load across the barriers of the dot, so read where they are
+        used these waited out a memory round trip per slice."""
+        cols = key_cols(index)
+        return g_ref[:, cols], g_ref[chunk - 1, cols], q_ref[:, cols]
+
+    def keys_slice(index, ahead):
+        cols = key_cols(index)
+        (gates, last, queries), ahead = ahead, plain_reads(jnp.minimum(index + 1, slices - 1))
         keys = k_ref[:, cols].astype(jnp.float32) * key_rows
         w_ref[:, cols] = mm(inverse, keys * betas * jnp.exp(gates), compute_dtype, precision).astype(w_ref.dtype)
         kg_ref[:, cols] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
         qg_ref[:, cols] = (queries.astype(jnp.float32) * query_rows * jnp.exp(gates)).astype(qg_ref.dtype)
         decay_ref[cols] = jnp.exp(last)
-        return carry
+        return ahead
 
     def values_slice(index, carry):
         cols = pl.ds(pl.multiple_of(index * block_v, block_v), block_v)
@@ -50,7 +61,7 @@ def write_wy(
         u_ref[:, cols] = mm(inverse, values * betas, compute_dtype, precision).astype(u_ref.dtype)
         return carry
 
-    lax.fori_loop(0, q_ref.shape[1] // block_k, keys_slice, 0)
+    lax.fori_loop(0, slices, keys_slice, plain_reads(0))
     lax.fori_loop(0, v_ref.shape[1] // block_v, values_slice, 0)
 
 
