@@ -75,10 +75,11 @@ def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
 
 
 def steep_chunk(g_ref) -> jax.Array:
-    """Whether some sub-chunk of the chunk decays by more than exp(STEEP) in some channel."""
-    return functools.reduce(jnp.logical_or, [
-        jnp.max(g_ref[a * SUB, :] - g_ref[a * SUB + SUB - 1, :]) > STEEP for a in range(g_ref.shape[0] // SUB)
-    ])
+    """Whether some sub-chunk of the chunk decays by more than exp(STEEP) in some channel. All rows are
+    read before the one reduction: ptxas moves no load across a reduction's barriers, and a reduction per
+    sub-chunk between the reads put four memory round trips in series at every program's start."""
+    rows = [(g_ref[a * SUB, :], g_ref[a * SUB + SUB - 1, :]) for a in range(g_ref.shape[0] // SUB)]
+    return jnp.max(functools.reduce(jnp.maximum, [first - last for first, last in rows])) > STEEP
 
 
 class SubChunkDecay(NamedTuple):
@@ -164,22 +165,20 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
 
 def row_factors(q_ref, k_ref, scale: float, l2_normalize: bool, block_k: int) -> tuple[jax.Array, jax.Array]:
     """[C] fp32 factors that take the rows of q and k to `prepare_qk`'s: scale / |q_i| and 1 / |k_i|, from
-    a loop over K slices of `block_k` after the scores. On the H200 (stage 1 alone, BENCHMARKS.md) this
-    took 0.712-0.728 ms; whole [C, K] tiles 1.45, the same loop before the scores 0.89, the squares
-    summed in the score loops 0.723-0.730: at 255 registers, values live across the score loop cost more
-    than loads."""
+    the K slices of `block_k` after the scores, read in straight-line code with one row sum after them (a
+    loop with a row sum per slice put a barrier before each slice's reads, so each waited out a memory round
+    trip). On the H200 (stage 1 alone, BENCHMARKS.md) that loop took 0.712-0.728 ms; whole [C, K] tiles
+    1.45, the loop before the scores 0.89, the squares summed in the score loops 0.723-0.730: at 255
+    registers, values live across the score loop cost more than loads."""
     ones = jnp.ones(q_ref.shape[:1], jnp.float32)
     if not l2_normalize:
         return scale * ones, ones
 
-    def add_squares(index, sums):
-        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        return tuple(total + jnp.sum(jnp.square(ref[:, cols].astype(jnp.float32)), axis=1)
-                     for total, ref in zip(sums, (q_ref, k_ref)))
+    def squares(ref):  # [C, block_k] sums of squares over the K slices, one row sum after them
+        slices = [ref[:, pl.ds(index * block_k, block_k)] for index in range(ref.shape[1] // block_k)]
+        return jnp.sum(functools.reduce(jnp.add, [jnp.square(x.astype(jnp.float32)) for x in slices]), axis=1)
 
-    zeros = jnp.zeros_like(ones)
-    query_sums, key_sums = lax.fori_loop(0, q_ref.shape[1] // block_k, add_squares, (zeros, zeros))
-    return scale * inverse_l2_norm(query_sums), inverse_l2_norm(key_sums)
+    return scale * inverse_l2_norm(squares(q_ref)), inverse_l2_norm(squares(k_ref))
 
 
 def _intra_kernel(
@@ -188,8 +187,10 @@ def _intra_kernel(
 ):
     inverse_ref, aqk_ref, *wy_refs = out_refs if with_inverse else (None, *out_refs)
     rows, cols = index_grid(q_ref.shape[0])
+    steep = steep_chunk(g_ref)
+    betas = beta_ref[...].astype(jnp.float32)[:, None]  # read early: a plain load after barriers waits
     akk, aqk = lax.cond(
-        steep_chunk(g_ref),
+        steep,
         lambda: _exact_scores(q_ref, k_ref, g_ref, block_k=block_k),
         lambda: _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision),
     )
@@ -200,12 +201,11 @@ def _intra_kernel(
     key_rows, key_cols = key_norms[:, None], key_norms[None, :]
     aqk = aqk * query_norms[:, None] * key_cols
     aqk_ref[...] = jnp.where(rows >= cols, aqk, 0.0).astype(aqk_ref.dtype)  # stored first: its registers free
-    betas = beta_ref[...].astype(jnp.float32)[:, None] * key_rows
-    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * betas * key_cols, 0.0), precision)
+    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * (betas * key_rows) * key_cols, 0.0), precision)
     if with_inverse:
         inverse_ref[...] = inverse.astype(inverse_ref.dtype)
     write_wy(
-        inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, *wy_refs,
+        inverse, betas, q_ref, k_ref, v_ref, g_ref, *wy_refs,
         query_rows=query_norms[:, None], key_rows=key_rows,
         block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
     )

@@ -45,17 +45,28 @@ def state_tile(states_ref, index, shape) -> jax.Array:
     return jnp.zeros(shape, jnp.float32) if states_ref is None else states_ref[index].astype(jnp.float32)
 
 
-def restart(state, flag_ref, states_ref, sequence, t, shape) -> jax.Array:
-    """The carried state, or the sequence's row of `states_ref` at a chunk flagged in `flag_ref`."""
-    return jnp.where(flag_ref[t] != 0, state_tile(states_ref, sequence, shape), state)
+def restart(state, flag, states_ref, sequence, shape) -> jax.Array:
+    """The carried state, or at a chunk where a pass enters a sequence (`flag` != 0: its first chunk, in
+    reverse its last) the sequence's row of `states_ref` (read only there)."""
+    return lax.cond(flag != 0, lambda: state_tile(states_ref, sequence, shape), lambda: state)
 
 
-def emit(state, flag_ref, out_ref, sequence, t) -> None:
-    """Store the state as the sequence's row of `out_ref` at a chunk flagged in `flag_ref`."""
+def emit(state, flag, out_ref, sequence) -> None:
+    """Store the state as the sequence's row of `out_ref` at a chunk where a pass leaves it (`flag` != 0)."""
 
-    @pl.when(flag_ref[t] != 0)
+    @pl.when(flag != 0)
     def _():
         out_ref[sequence] = state
+
+
+def chunk_scalars(decay_ref, segment_refs, t) -> tuple[jax.Array, tuple]:
+    """Chunk t's decay row and, for packed sequences, its (sequence, first, last).
+
+    The state passes read these a chunk ahead (carried through the loop): Triton copies ahead only the dots'
+    operands, and ptxas moves no plain load across the dots' barriers, so read where they are used each
+    would wait out a memory round trip inside every chunk's serial chain.
+    """
+    return decay_ref[t, :], tuple(ref[t] for ref in segment_refs)
 
 
 def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool):
@@ -70,10 +81,15 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
     shape = final_ref.shape[1:] if packed else final_ref.shape
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
 
-    def step(t, state):
+    n_chunks = decay_ref.shape[0]
+    segment_refs = (sequence_ref, first_ref, last_ref) if packed else ()
+
+    def step(t, carry):
+        state, (decay, segment) = carry
+        ahead = chunk_scalars(decay_ref, segment_refs, jnp.minimum(t + 1, n_chunks - 1))
         if packed:
-            sequence = sequence_ref[t]
-            state = restart(state, first_ref, h0_ref, sequence, t, shape)
+            sequence, first, last = segment
+            state = restart(state, first, h0_ref, sequence, shape)
         rows = pl.ds(t * chunk, chunk)
         state_in = state.astype(compute_dtype)
         v_new = (u_ref[rows, :].astype(jnp.float32) - dot(w_ref[rows, :], state_in)).astype(compute_dtype)
@@ -82,16 +98,15 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
         else:
             h_ref[t, :, :] = state_in.astype(h_ref.dtype)
             v_new_ref[rows, :] = v_new
-        state = decay_ref[t, :][:, None] * state + mm_tn(kg_ref[rows, :], v_new, compute_dtype, precision)
+        state = decay[:, None] * state + mm_tn(kg_ref[rows, :], v_new, compute_dtype, precision)
         if packed:
-            emit(state, last_ref, final_ref, sequence, t)
-        return state
+            emit(state, last, final_ref, sequence)
+        return state, ahead
 
-    n_chunks = decay_ref.shape[0]
-    if packed:
-        lax.fori_loop(0, n_chunks, step, jnp.zeros(shape, jnp.float32))
-    else:
-        final_ref[...] = lax.fori_loop(0, n_chunks, step, state_tile(h0_ref, ..., shape))
+    initial = jnp.zeros(shape, jnp.float32) if packed else state_tile(h0_ref, ..., shape)
+    state, _ = lax.fori_loop(0, n_chunks, step, (initial, chunk_scalars(decay_ref, segment_refs, 0)))
+    if not packed:
+        final_ref[...] = state
 
 
 # A state pass is serial over chunks with one program per (value block, value head, sequence), so at

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from hybrax.ops.kda.pallas_chunk_state import Segments, emit, restart, state_pass_call, state_tile
+from hybrax.ops.kda.pallas_chunk_state import (
+    Segments, chunk_scalars, emit, restart, state_pass_call, state_tile,
+)
 from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn
 
 
@@ -35,11 +37,15 @@ def _state_bwd_kernel(
     shape = d_initial_ref.shape[1:] if packed else d_initial_ref.shape
     n_chunks = decay_ref.shape[0]
 
-    def step(i, d_state):
+    segment_refs = (sequence_ref, first_ref, last_ref) if packed else ()
+
+    def step(i, carry):
+        d_state, (decay, segment) = carry
         t = n_chunks - 1 - i
+        ahead = chunk_scalars(decay_ref, segment_refs, jnp.maximum(t - 1, 0))  # read a chunk ahead: see there
         if packed:
-            sequence = sequence_ref[t]
-            d_state = restart(d_state, last_ref, d_final_ref, sequence, t, shape)
+            sequence, first, last = segment
+            d_state = restart(d_state, last, d_final_ref, sequence, shape)
         rows = pl.ds(t * chunk, chunk)
         dh_ref[t, :, :] = d_state.astype(dh_ref.dtype)
         d_out = d_out_ref[rows, :]
@@ -49,18 +55,19 @@ def _state_bwd_kernel(
         dv_new = dv_new.astype(compute_dtype)
         dv_new_ref[rows, :] = dv_new
         d_state = (
-            decay_ref[t, :][:, None] * d_state
+            decay[:, None] * d_state
             + mm_tn(qg_ref[rows, :], d_out, compute_dtype, precision)
             - mm_tn(w_ref[rows, :], dv_new, compute_dtype, precision)
         )
         if packed:
-            emit(d_state, first_ref, d_initial_ref, sequence, t)
-        return d_state
+            emit(d_state, first, d_initial_ref, sequence)
+        return d_state, ahead
 
-    if packed:
-        lax.fori_loop(0, n_chunks, step, jnp.zeros(shape, jnp.float32))
-    else:
-        d_initial_ref[...] = lax.fori_loop(0, n_chunks, step, state_tile(d_final_ref, ..., shape))
+    initial = jnp.zeros(shape, jnp.float32) if packed else state_tile(d_final_ref, ..., shape)
+    last_chunk = chunk_scalars(decay_ref, segment_refs, n_chunks - 1)
+    d_state, _ = lax.fori_loop(0, n_chunks, step, (initial, last_chunk))
+    if not packed:
+        d_initial_ref[...] = d_state
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))

@@ -23,26 +23,37 @@ from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_
 
 
 def write_wy(
-    inverse, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
+    inverse, betas, q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, kg_ref, qg_ref, decay_ref,
     *, query_rows, key_rows, block_k: int, block_v: int, compute_dtype, precision,
 ) -> None:
-    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse` [C, C]), K and V taken in
-    slices of `block_k` and `block_v` columns; rows of q and k times `query_rows` and `key_rows` ([C, 1]
-    or 1.0: stage 1 normalizes them here)."""
+    """Stores w, u, kg, qg and decay of one chunk from its T (`inverse` [C, C]) and betas ([C, 1] fp32),
+    K and V taken in slices of `block_k` and `block_v` columns; rows of q and k times `query_rows` and
+    `key_rows` ([C, 1] or 1.0: stage 1 normalizes them here)."""
     chunk = q_ref.shape[0]
-    betas = beta_ref[...].astype(jnp.float32)[:, None]
     inverse = inverse.astype(compute_dtype)  # once for every slice's dot (bf16: half the registers)
 
-    def keys_slice(index, carry):
-        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        gates = g_ref[:, cols]
-        last = g_ref[chunk - 1, cols]
+    slices = q_ref.shape[1] // block_k
+
+    def key_cols(index):  # the slice's columns (a Python int index is already a known multiple)
+        start = index * block_k
+        return pl.ds(start if isinstance(index, int) else pl.multiple_of(start, block_k), block_k)
+
+    def plain_reads(index):
+        """A slice's gates, last gate row and queries. Read a slice ahead (carried): Triton copies ahead only
+        the dots' operands, and ptxas moves no load across the barriers of the dot, so read where they are
+        used these waited out a memory round trip per slice."""
+        cols = key_cols(index)
+        return g_ref[:, cols], g_ref[chunk - 1, cols], q_ref[:, cols]
+
+    def keys_slice(index, ahead):
+        cols = key_cols(index)
+        (gates, last, queries), ahead = ahead, plain_reads(jnp.minimum(index + 1, slices - 1))
         keys = k_ref[:, cols].astype(jnp.float32) * key_rows
         w_ref[:, cols] = mm(inverse, keys * betas * jnp.exp(gates), compute_dtype, precision).astype(w_ref.dtype)
         kg_ref[:, cols] = (keys * jnp.exp(last[None, :] - gates)).astype(kg_ref.dtype)
-        qg_ref[:, cols] = (q_ref[:, cols].astype(jnp.float32) * query_rows * jnp.exp(gates)).astype(qg_ref.dtype)
+        qg_ref[:, cols] = (queries.astype(jnp.float32) * query_rows * jnp.exp(gates)).astype(qg_ref.dtype)
         decay_ref[cols] = jnp.exp(last)
-        return carry
+        return ahead
 
     def values_slice(index, carry):
         cols = pl.ds(pl.multiple_of(index * block_v, block_v), block_v)
@@ -50,7 +61,7 @@ def write_wy(
         u_ref[:, cols] = mm(inverse, values * betas, compute_dtype, precision).astype(u_ref.dtype)
         return carry
 
-    lax.fori_loop(0, q_ref.shape[1] // block_k, keys_slice, 0)
+    lax.fori_loop(0, slices, keys_slice, plain_reads(0))
     lax.fori_loop(0, v_ref.shape[1] // block_v, values_slice, 0)
 
 
@@ -68,7 +79,7 @@ def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
 
 def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
     write_wy(
-        inverse_ref[...], q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs,
+        inverse_ref[...], beta_ref[...].astype(jnp.float32)[:, None], q_ref, k_ref, v_ref, g_ref, *out_refs,
         query_rows=1.0, key_rows=1.0, block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype,
         precision=precision,
     )
