@@ -5,7 +5,7 @@ The backward keeps the forward's inputs, T = (I + A_kk)^-1 and A_qk (2 x [B, T, 
 input dtype: the most expensive stage to recompute, the cheapest to keep) and recomputes the other
 chunk-local terms and the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens)
 are laid out as XLA chunked lays them out (`xla_chunked.packed_layout`: each sequence from a chunk
-boundary, tokens scattered there and gathered back), and the state kernels restart per sequence. Not supported
+boundary, tokens gathered there and back), and the state kernels restart per sequence. Not supported
 (`auto` then picks XLA): K or V above 256.
 """
 
@@ -21,7 +21,7 @@ from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
 from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, kda_chunk_fwd, kda_chunk_fwd_solved
 from hybrax.ops.kda.pallas_chunk_state import Segments
-from hybrax.ops.kda.xla_chunked import Layout, packed_layout
+from hybrax.ops.kda.xla_chunked import from_packed_rows, packed_layout, to_packed_rows
 
 STATIC = ("scale", "l2_normalize", "chunk", "interpret")
 
@@ -84,7 +84,7 @@ def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tup
     if problem.cu_seqlens is not None:
         layout = packed_layout(problem.cu_seqlens, problem.q.shape[1], cfg.chunk_size)
         segments = Segments(*(x.astype(jnp.int32) for x in layout.segments))
-        inputs = tuple(_scatter(x, layout, cfg.chunk_size) for x in inputs)
+        inputs = tuple(to_packed_rows(x, layout) for x in inputs)
         if initial_state is None:
             initial_state = jnp.zeros(problem.state_shape, jnp.float32)
     o, final = kda_chunk(
@@ -92,11 +92,5 @@ def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tup
         runtime_device() != "gpu",
     )
     if layout is not None:  # tokens of no sequence read zeros
-        o = jnp.take(o, layout.destination, axis=1, mode="fill", fill_value=0)
+        o = from_packed_rows(o, layout)
     return o.astype(problem.q.dtype), final
-
-
-def _scatter(x: jax.Array, layout: Layout, chunk: int) -> jax.Array:
-    """[1, T, ...] packed tokens -> [1, NT * C, ...], each sequence from its first chunk, zeros between."""
-    padded = jnp.zeros((1, layout.num_chunks * chunk, *x.shape[2:]), x.dtype)
-    return padded.at[:, layout.destination].set(x, mode="drop")

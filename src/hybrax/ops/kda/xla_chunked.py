@@ -27,6 +27,7 @@ cotangents back through the layout (padding, packing, GVA, l2norm) with `jax.vjp
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -221,13 +222,45 @@ class Chunked(NamedTuple):
 class Layout(NamedTuple):
     segments: Segments
     destination: jax.Array | None  # [T] each token's row in the padded packed layout (packed only)
+    source: jax.Array | None  # [Nc * C] each padded row's token, T for padding (packed only)
     num_chunks: int
+
+
+@jax.custom_vjp
+def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[:, index] along axis 1 with zeros where index is out of range, for an injective `index` whose
+    inverse map is `inverse` (out of range where no row maps). Both directions of the packed layout are
+    gathers, and so are their gradients: XLA's scatter on the GPU (a `.at[].set`, or autodiff's
+    transpose of a gather) takes atomics per element."""
+    return jnp.take(x, index, axis=1, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x, index, inverse):
+    return take_rows(x, index, inverse), (index, inverse)
+
+
+def _take_rows_bwd(residuals, cotangent):
+    index, inverse = residuals
+    return take_rows(cotangent, inverse, index), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def to_packed_rows(x: jax.Array, layout: Layout) -> jax.Array:
+    """[1, T, ...] packed tokens -> [1, Nc * C, ...], each sequence from its first chunk, zeros between."""
+    return take_rows(x, layout.source, layout.destination)
+
+
+def from_packed_rows(x: jax.Array, layout: Layout) -> jax.Array:
+    """[1, Nc * C, ...] -> [1, T, ...]: each token's row; tokens of no sequence read zeros."""
+    return take_rows(x, layout.destination, layout.source)
 
 
 def _dense_layout(length: int, chunk: int) -> Layout:
     count = -(-length // chunk)
     index = np.arange(count)
-    return Layout(Segments(np.zeros(count, np.int32), index == 0, index == count - 1), None, count)
+    return Layout(Segments(np.zeros(count, np.int32), index == 0, index == count - 1), None, None, count)
 
 
 def packed_layout(cu_seqlens: jax.Array, length: int, chunk: int) -> Layout:
@@ -238,17 +271,25 @@ def packed_layout(cu_seqlens: jax.Array, length: int, chunk: int) -> Layout:
     chunk_end = jnp.cumsum(chunks_of)
     chunk_begin = chunk_end - chunks_of
     tokens = jnp.arange(length, dtype=jnp.int32)
-    owner = jnp.searchsorted(cu_seqlens, tokens, side="right").astype(jnp.int32) - 1
+    # Unrolled binary search: the default's while loop costs a host round trip per step on the GPU.
+    search = functools.partial(jnp.searchsorted, side="right", method="scan_unrolled")
+    owner = search(cu_seqlens, tokens).astype(jnp.int32) - 1
     inside = owner < sequences
     owner = jnp.minimum(owner, sequences - 1)
     destination = jnp.where(inside, chunk_begin[owner] * chunk + tokens - cu_seqlens[owner], count * chunk)
     chunks = jnp.arange(count, dtype=jnp.int32)
-    sequence = jnp.searchsorted(chunk_end, chunks, side="right").astype(jnp.int32)
+    sequence = search(chunk_end, chunks).astype(jnp.int32)
     real = sequence < sequences
     sequence = jnp.minimum(sequence, sequences - 1)
     first = real & (chunks == chunk_begin[sequence])
     last = real & (chunks == chunk_end[sequence] - 1)
-    return Layout(Segments(sequence, first, last), destination.astype(jnp.int32), count)
+    rows = jnp.arange(count * chunk, dtype=jnp.int32)
+    row_sequence = sequence[rows // chunk]
+    offset = rows - chunk_begin[row_sequence] * chunk
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    holds_token = real[rows // chunk] & (offset < lengths[row_sequence])
+    source = jnp.where(holds_token, cu_seqlens[row_sequence] + offset, length)
+    return Layout(Segments(sequence, first, last), destination.astype(jnp.int32), source.astype(jnp.int32), count)
 
 
 def _layout(problem: KdaProblem, chunk: int) -> Layout:
@@ -264,7 +305,7 @@ def _to_chunks(x: jax.Array, layout: Layout, chunk: int) -> jax.Array:
     if layout.destination is None:
         x = jnp.pad(x, [(0, 0), (0, padded - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     else:
-        x = jnp.zeros((1, padded, *x.shape[2:]), x.dtype).at[:, layout.destination].set(x, mode="drop")
+        x = to_packed_rows(x, layout)
     x = x.reshape(x.shape[0], layout.num_chunks, chunk, *x.shape[2:])
     return jnp.moveaxis(x, 3, 1)
 
@@ -275,7 +316,7 @@ def _from_chunks(o: jax.Array, layout: Layout, length: int) -> jax.Array:
     o = o.reshape(o.shape[0], -1, *o.shape[3:])
     if layout.destination is None:
         return o[:, :length]
-    return jnp.take(o, layout.destination, axis=1, mode="fill", fill_value=0)
+    return from_packed_rows(o, layout)
 
 
 def _chunked_inputs(problem: KdaProblem, layout: Layout, chunk: int) -> Chunked:
