@@ -28,10 +28,9 @@ def _cumsum_kernel(g_ref, out_ref, *, reverse: bool):
 
 @functools.partial(jax.jit, static_argnames=("chunk", "reverse", "num_warps", "interpret"))
 def chunk_local_cumsum(
-    g: Float[Array, "B T HV K"], *, chunk: int, reverse: bool = False, num_warps: int = 1, interpret: bool = False
+    g: Float[Array, "B T HV K"], *, chunk: int, reverse: bool = False, num_warps: int = 4, interpret: bool = False
 ) -> Float[Array, "B T HV K"]:
-    """G [B, T, HV, K] fp32; T a multiple of `chunk`, K a power of two. One warp per chunk: on the H200 at
-    (1, 8192, 32, 128) 0.0805 ms against 0.084 at 2 and 4 warps and 0.089 at 8 (BENCHMARKS.md)."""
+    """G [B, T, HV, K] fp32; T a multiple of `chunk`, K a power of two."""
     batch, length, heads, dk = g.shape
     spec = chunk_rows_spec(chunk, dk)
     return pl.pallas_call(
