@@ -20,7 +20,9 @@ from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunk
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra, unit_lower_inverse
-from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state, chunk_state_output, default_block_v
+from hybrax.ops.kda.pallas_chunk_state import (
+    Segments, chunk_state, chunk_state_output, default_block_v, output_block_v,
+)
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.pallas_tiles import EXACT
@@ -272,8 +274,10 @@ def test_stage_1_normalizes_inside(dtype, tolerance, gates):
 
 def test_state_passes_agree_across_value_blocks():
     # The state passes take 16 value columns per program below a wave of 32-column programs
-    # (`default_block_v`); both widths, each over several value blocks, give the same states and outputs.
+    # (`default_block_v`), the pass with the output 64 from two waves of 64-column programs
+    # (`output_block_v`); every width, each over several value blocks, gives the same states and outputs.
     assert default_block_v(rows=16, dv=128) == 16 and default_block_v(rows=32, dv=128) == 32
+    assert output_block_v(rows=64, dv=128) == 32 and output_block_v(rows=128, dv=128) == 64
     w, kg, qg = (normal(210 + i, (1, 128, 2, 32)) for i in range(3))
     u, d_out = normal(213, (1, 128, 2, 64)), normal(214, (1, 128, 2, 64))
     aqk = jnp.tril(normal(215, (1, 2, 2, 64, 64))).transpose(0, 1, 3, 2, 4).reshape(1, 128, 2, 64)
@@ -284,7 +288,9 @@ def test_state_passes_agree_across_value_blocks():
         lambda **b: chunk_state_output(w, u, kg, decay, qg, aqk, h0, interpret=True, **b),
         lambda **b: chunk_state_bwd(qg, kg, w, aqk, d_out, decay, h0, interpret=True, **b),
     ):
-        assert_close(run(block_v=16), [to64(x) for x in run(block_v=32)], 1e-6, "16 against 32 value columns")
+        expected = [to64(x) for x in run(block_v=32)]
+        assert_close(run(block_v=16), expected, 1e-6, "16 against 32 value columns")
+        assert_close(run(block_v=64), expected, 1e-6, "64 against 32 value columns")
 
 
 @pytest.mark.parametrize("n", [16, 32, 64])
