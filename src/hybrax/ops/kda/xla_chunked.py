@@ -230,8 +230,9 @@ class Layout(NamedTuple):
 def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
     """x[:, index] along axis 1 with zeros where index is out of range, for an injective `index` whose
     inverse map is `inverse` (out of range where no row maps). Both directions of the packed layout are
-    gathers, and so are their gradients: XLA's scatter on the GPU (a `.at[].set`, or autodiff's
-    transpose of a gather) takes atomics per element."""
+    gathers, and so are their gradients (autodiff would transpose a gather into a scatter): on the H200, the
+    packed Pallas forward over 32k tokens in 16 sequences took 4.08 ms with XLA's scatter (`.at[].set`) into
+    the layout and 2.54 ms with this gather; forward+backward 11.64 and 9.06 (BENCHMARKS.md)."""
     return jnp.take(x, index, axis=1, mode="fill", fill_value=0)
 
 
