@@ -9,6 +9,9 @@ XLA chunked path on the same packed inputs:
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:src:.whl/stubs python3 benchmarks/kda_varlen_gpu.py
     python3 benchmarks/kda_varlen_gpu.py --smoke    # CPU, interpret mode, small, no fla
+
+fla's first varlen run autotunes for minutes (over 200 s for the first case on 2026-12-04): the autotuning
+results come back in $OUT/triton_autotune.tar after every case; unpack them into benchmarks/triton_autotune/.
 """
 
 from __future__ import annotations
@@ -105,12 +108,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpret mode, no fla")
     parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--cases", help="which of CASES to run, by index, e.g. 0 (default: all)")
     args = parser.parse_args()
     with_fla = not (args.smoke or args.no_fla)
     cache = seed_triton_cache() if with_fla else None
-    rows = [bench_case(*case, args.smoke, with_fla) for case in (SMOKE_CASES if args.smoke else CASES)]
-    if cache is not None:
-        save_triton_autotune(cache)
+    cases = SMOKE_CASES if args.smoke else CASES
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
+    rows = []
+    for case in cases:
+        rows.append(bench_case(*case, args.smoke, with_fla))
+        if cache is not None:  # after every case: fla's varlen autotuning takes minutes, keep what a timeout would lose
+            save_triton_autotune(cache)
     print_table(rows, ["tokens", "H", "sequences", "mean_len", "err_out", "err_state", "err_fla_out", "fla_ms",
                        "pallas_ms", "ratio", "fla_fb_ms", "pallas_fb_ms", "fb_ratio"])
 
