@@ -220,6 +220,8 @@ def main() -> None:
     parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 (default: VARIANTS)")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
     parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")
+    parser.add_argument("--cases", help="requests x heads to run instead of CASES, e.g. 7x32,8x32 (a program wave "
+                        "at B = 8: 924 of the 1024 programs of 32 columns fit on the H200 at once, all at B = 7)")
     args = parser.parse_args()
     variants = VARIANTS
     if args.configs:
@@ -230,6 +232,9 @@ def main() -> None:
         cases, steps, with_fla = CASES, STEPS, not args.no_fla
         if args.batches:
             cases = [case for case in CASES if str(case[0]) in args.batches.split(",")]
+        if args.cases:
+            cases = [tuple(int(n) for n in case.split("x")) for case in args.cases.split(",")]
+            steps = {batch: STEPS.get(batch, 500) for batch, _ in cases}
     copy = copy_bandwidth() if not args.smoke else float("nan")
     rows = []
     for batch, heads in cases:
