@@ -230,14 +230,20 @@ def staged(row: dict, name: str, fn, *args):
 INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   "k32w4s1": dict(block_k=32, num_warps=4, num_stages=1),
                   "k32w4s4": dict(block_k=32, num_warps=4, num_stages=4),
-                  "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3)}
+                  "k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
+                  # 8 warps: no spills (offline ptxas for sm_90: 248 registers, against 255 and 492/404 bytes
+                  # spilled at 4 warps), one program per SM instead of two.
+                  "k32w8s3": dict(block_k=32, num_warps=8, num_stages=3),
+                  "k32w8s1": dict(block_k=32, num_warps=8, num_stages=1)}
 CUMSUM_VARIANTS = {"w4": dict(num_warps=4), "w8": dict(num_warps=8), "w2": dict(num_warps=2)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
-                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4)}
+                      "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4),
+                      "k16w8s3": dict(block_k=16, num_warps=8, num_stages=3)}
 GRAD_VARIANTS = {"k32v64w4s3": dict(block_k=32, block_v=64, num_warps=4, num_stages=3),
                  "k32v64w4s1": dict(block_k=32, block_v=64, num_warps=4, num_stages=1),
-                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4)}
+                 "k32v64w4s4": dict(block_k=32, block_v=64, num_warps=4, num_stages=4),
+                 "k32v64w8s3": dict(block_k=32, block_v=64, num_warps=8, num_stages=3)}
 # The state passes take 32 value columns per program, 16 below a wave of 32-column programs
 # (`pallas_chunk_state.default_block_v`): the first variant of each is that choice.
 STATE_VARIANTS = {"w4s3": dict(num_warps=4, num_stages=3),
