@@ -93,10 +93,16 @@ def _decode_kernel(
             q, k = l2_normalize(q), l2_normalize(k)
         decay = _log_decay(raw_gate, a_log, dt_bias, lower_bound, gate)
         beta = jax.nn.sigmoid(beta) if beta_is_logits else beta
+        q = q * scale
         state = state * along_keys(jnp.exp(decay))
+        # Both reductions over K from the decayed state at once: o = S_new^T q = S'^T q + (k . q) beta e, so
+        # the output's reduction does not wait for the update (one reduction's barriers per step, not two in
+        # series); k . q is a vector dot, done while the state tile is still on its way.
         error = v - jnp.sum(state * along_keys(k), axis=key_axis)
-        state = state + along_keys(k) * along_values(beta * error)
-        o_ref[b, t, head, cols] = jnp.sum(state * along_keys(q * scale), axis=key_axis).astype(o_ref.dtype)
+        decayed_out = jnp.sum(state * along_keys(q), axis=key_axis)
+        update = beta * error
+        state = state + along_keys(k) * along_values(update)
+        o_ref[b, t, head, cols] = (decayed_out + jnp.sum(k * q) * update).astype(o_ref.dtype)
         if token_slots_ref is not None:
             target = token_slots_ref[b, t]
 
