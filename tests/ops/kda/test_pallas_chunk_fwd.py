@@ -302,3 +302,14 @@ def test_unit_lower_inverse(n, kind):
     lower = np.tril(rng.normal(size=(n, n)) * 0.3 if kind == "random" else np.ones((n, n)), -1)
     got = unit_lower_inverse(jnp.asarray(lower, jnp.float32), EXACT)
     assert_close(got, np.linalg.inv(np.eye(n) + lower), 1e-6, "(I + L)^-1")
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunk_local_cumsum(chunk, reverse):
+    # Against numpy within each chunk: prefix sums, or with `reverse` the suffix sums (the backward's dg).
+    g = normal(230, (2, 128, 3, 32), scale=3.0)
+    expected = np.asarray(g, np.float64).reshape(2, 128 // chunk, chunk, 3, 32)
+    expected = np.flip(np.cumsum(np.flip(expected, 2), 2), 2) if reverse else np.cumsum(expected, 2)
+    got = chunk_local_cumsum(g, chunk=chunk, reverse=reverse, interpret=True)
+    assert_close(got, expected.reshape(g.shape), 1e-6, "G")

@@ -20,10 +20,17 @@ from jaxtyping import Array, Float
 
 
 def _cumsum_kernel(g_ref, out_ref, *, reverse: bool):
-    g = g_ref[...].astype(jnp.float32)
-    prefix = jnp.cumsum(g, axis=0)
-    # The suffix sum as the total minus the prefix before t: one scan either way.
-    out_ref[...] = jnp.sum(g, axis=0, keepdims=True) - prefix + g if reverse else prefix
+    """Row by row in straight-line code: each thread carries its channels down (or up) the chunk, so the
+    sum needs no exchange between threads, no shared memory and no barrier, and every row's load can be
+    issued ahead. (A scan over the [C, K] tile went through shared memory, 32 KB per program, which held
+    an H200 SM to six programs at 3.2 TB/s.)"""
+    chunk = g_ref.shape[0]
+    rows = range(chunk - 1, -1, -1) if reverse else range(chunk)
+    loaded = [g_ref[row, :].astype(jnp.float32) for row in rows]
+    total = jnp.zeros_like(loaded[0])
+    for row, values in zip(rows, loaded):
+        total = total + values
+        out_ref[row, :] = total
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "reverse", "num_warps", "interpret"))
