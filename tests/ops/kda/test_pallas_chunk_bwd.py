@@ -32,7 +32,7 @@ def check(seed, batch, length, heads, value_heads, dk, dv, dtype=jnp.float32, *,
     scale = dk**-0.5
 
     def ours(q, k, v, g, beta, h0):
-        return kda_chunk(q, k, v, g, beta, h0, None, scale, l2_normalize, chunk, True)
+        return kda_chunk(q, k, v, g, beta, h0, None, None, scale, l2_normalize, chunk, True)
 
     def scan(q, k, v, g, beta, h0):
         return kernel_delta_attention(

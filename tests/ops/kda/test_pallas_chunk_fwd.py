@@ -25,7 +25,7 @@ from hybrax.ops.kda.pallas_chunk_state import (
 )
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
-from hybrax.ops.kda.pallas_tiles import EXACT
+from hybrax.ops.kda.pallas_tiles import EXACT, PackedChunks
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
 
@@ -245,6 +245,20 @@ def test_lowers_to_triton(dtype, packed):
         lambda *a: kda_chunk_fwd(*a[:6], Segments(*a[6:]) if packed else None, scale=0.1), *args, *segments
     )
     assert text.count("__gpu$xla.gpu.triton") == 3  # cumsum, intra, state pass with the output
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_to_triton_reading_packed_rows_in_place(dtype):
+    # 100 packed tokens in 3 padded chunks: the cumsum and stage 1 read them through masked windows.
+    args, _ = abstract_inputs(dtype, True)
+    args = [jax.ShapeDtypeStruct((1, 100, *x.shape[2:]), x.dtype) for x in args[:5]] + args[5:]
+    chunks = [jax.ShapeDtypeStruct((3,), jnp.int32) for _ in range(5)]
+
+    def forward(*a):
+        return kda_chunk_fwd(*a[:6], Segments(*a[6:9]), PackedChunks(*a[9:]), scale=0.1)
+
+    text = lower_for_h200(forward, *args, *chunks)
+    assert text.count("__gpu$xla.gpu.triton") == 3
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state, chunk_state_output
+from hybrax.ops.kda.pallas_tiles import PackedChunks
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.xla_scan import l2_normalize
 
@@ -71,9 +72,10 @@ class Padded(NamedTuple):
     initial_state: jax.Array | None
 
 
-def pad_inputs(q, k, v, g, beta, initial_state, chunk: int) -> Padded:
+def pad_inputs(q, k, v, g, beta, initial_state, chunk: int, pad_length: bool = True) -> Padded:
+    """Without `pad_length` T stays (packed rows, which the kernels read in place)."""
     length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
-    padded_length = -(-length // chunk) * chunk
+    padded_length = -(-length // chunk) * chunk if pad_length else length
     kp, vp = _tile(dk), _tile(dv)
     return Padded(
         *(pad_to(x.astype(v.dtype), {1: padded_length, 3: kp}) for x in (q, k)),
@@ -150,6 +152,7 @@ def kda_chunk_fwd_solved(
     beta: Float[Array, "B T HV"],
     initial_state: Float[Array, "B HV K V"] | None = None,
     segments: Segments | None = None,
+    packed: PackedChunks | None = None,
     *,
     scale: float,
     l2_normalize: bool = True,
@@ -165,13 +168,16 @@ def kda_chunk_fwd_solved(
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the
     batch of one holds packed sequences, each from a chunk boundary (`xla_chunked.packed_layout`), and
-    initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V].
+    initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V]. With `packed` too,
+    the inputs are the packed rows themselves (the first kernels read each chunk's rows in place) and o
+    and T, A_qk come in the padded layout.
     """
-    length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
-    x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
-    gates = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
+    dk, dv = q.shape[3], v.shape[3]
+    x = pad_inputs(q, k, v, g, beta, initial_state, chunk, pad_length=packed is None)
+    gates = chunk_local_cumsum(x.g, packed, chunk=chunk, interpret=interpret)
+    length = q.shape[1] if packed is None else gates.shape[1]
     scores, (w, u, kg, qg, decay) = chunk_intra(  # q, k normalized inside: no pass writes copies first
-        x.q, x.k, x.v, gates, x.beta, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
+        x.q, x.k, x.v, gates, x.beta, packed, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
         with_inverse=with_inverse, interpret=interpret,
     )
     solved = Solved(*scores)

@@ -65,9 +65,10 @@ def write_wy(
     lax.fori_loop(0, v_ref.shape[1] // block_v, values_slice, 0)
 
 
-def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
-    """Out specs and shapes of w, u, kg, qg [B, T, HV, K | V] (q's dtype) and decay [B, T/C, HV, K] (fp32)."""
-    batch, length, _, dk = q.shape
+def wy_specs(chunk: int, length: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
+    """Out specs and shapes of w, u, kg, qg [B, T, HV, K | V] (q's dtype) and decay [B, T/C, HV, K] (fp32),
+    T = `length`."""
+    batch, _, _, dk = q.shape
     value_heads, dv = v.shape[2:]
     tokens = (batch, length, value_heads)
     specs = [chunk_rows_spec(chunk, width) for width in (dk, dv, dk, dk)]
@@ -98,7 +99,7 @@ def chunk_wy(
     group = v.shape[2] // q.shape[2]
     compute_dtype, precision = dot_settings(q.dtype, interpret)
     rows = functools.partial(chunk_rows_spec, chunk)
-    out_specs, out_shape = wy_specs(chunk, q, v)
+    out_specs, out_shape = wy_specs(chunk, q.shape[1], q, v)
     return pl.pallas_call(
         functools.partial(_wy_kernel, compute_dtype=compute_dtype, precision=precision),
         grid=(q.shape[1] // chunk, v.shape[2], q.shape[0]),

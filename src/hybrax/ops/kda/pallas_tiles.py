@@ -6,10 +6,13 @@ operations under iota masks, and rows are read from the kernel's refs instead.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
 # Triton's software pipelining of the kernels' loops over K slices and chunks (the next slice's loads
@@ -91,3 +94,59 @@ def chunk_state_spec(dk: int, dv: int) -> pl.BlockSpec:
 def index_grid(n: int) -> tuple[jax.Array, jax.Array]:
     """Row and column indices of an n x n tile."""
     return lax.broadcasted_iota(jnp.int32, (n, n), 0), lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+
+class PackedChunks(NamedTuple):
+    """Where the padded layout's chunks of packed sequences (`xla_chunked.packed_layout`: each sequence
+    from a chunk boundary) lie in the packed row, so that the first kernels read their inputs in place
+    instead of from gathered copies: per padded chunk [NT] int32, its first token and how many of its
+    rows hold tokens of its sequence (the rest read as zeros, as padding)."""
+
+    start: jax.Array
+    count: jax.Array
+
+
+def packed_rows_spec(length: int, width: int, group: int = 1) -> pl.BlockSpec:
+    """The whole [T, width] of a [1, T, heads, width] packed array, for the program (chunk t, value head h,
+    batch 0) of a per-chunk kernel, which reads its chunk's rows through a `ChunkWindow`."""
+    return pl.BlockSpec((None, length, None, width), lambda t, h, b: (b, 0, h // group, 0))
+
+
+def packed_column_spec(length: int) -> pl.BlockSpec:
+    """The whole [T] of a [1, T, HV] packed array (beta), for a per-chunk kernel."""
+    return pl.BlockSpec((None, length, None), lambda t, h, b: (b, 0, h))
+
+
+def packed_chunk_specs(n_chunks: int) -> list[pl.BlockSpec]:
+    """`PackedChunks`' two [NT] arrays, whole, for a per-chunk kernel."""
+    return [pl.BlockSpec((n_chunks,), lambda t, h, b: (0,))] * 2
+
+
+class ChunkWindow:
+    """A chunk's [chunk, ...] rows of a whole packed ref, from row `start`, rows from `count` on read as
+    zeros (masked: nothing past the array is touched). Reads as the chunk's own block would:
+    `window[:, cols]`, `window[j, cols]`, `window[...]`."""
+
+    def __init__(self, ref, start: jax.Array, count: jax.Array, chunk: int):
+        self.ref, self.start, self.count = ref, start, count
+        self.shape = (chunk, *ref.shape[1:])
+
+    def __getitem__(self, index):
+        row, *rest = index if isinstance(index, tuple) else (index,)
+        if row is Ellipsis:
+            row, rest = slice(None), [slice(None)] * (len(self.shape) - 1)
+        if isinstance(row, slice):  # the whole chunk
+            inside = lax.broadcasted_iota(jnp.int32, self.shape[:1], 0) < self.count
+            mask = inside.reshape(self.shape[:1] + (1,) * len(rest))
+            return pltriton.load(self.ref.at[(pl.ds(self.start, self.shape[0]), *rest)], mask=mask, other=0)
+        return pltriton.load(self.ref.at[(self.start + row, *rest)], mask=row < self.count, other=0)
+
+
+def chunk_window(ref, packed_refs, chunk: int):
+    """`ref` itself (the chunk's block) without packed sequences, else its `ChunkWindow` for this program's
+    chunk (packed_refs: the kernel's refs of `PackedChunks`)."""
+    if packed_refs is None:
+        return ref
+    t = pl.program_id(0)
+    start_ref, count_ref = packed_refs
+    return ChunkWindow(ref, start_ref[t], count_ref[t], chunk)
