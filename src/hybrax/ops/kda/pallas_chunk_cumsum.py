@@ -16,14 +16,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import (
-    PackedChunks, chunk_rows_spec, chunk_window, packed_chunk_specs, packed_rows_spec,
+    PackedChunks, chunk_rows_spec, chunk_window, packed_chunk_specs, split_packed, token_rows_spec,
 )
 from jaxtyping import Array, Float
 
 
 def _cumsum_kernel(g_ref, *refs, reverse: bool, chunk: int):
-    *packed_refs, out_ref = refs
-    g = chunk_window(g_ref, packed_refs or None, chunk)[...].astype(jnp.float32)
+    packed_refs, (out_ref,) = split_packed(refs, len(refs) == 3)
+    g = chunk_window(g_ref, packed_refs, chunk)[...].astype(jnp.float32)
     prefix = jnp.cumsum(g, axis=0)
     # The suffix sum as the total minus the prefix before t: one scan either way.
     out_ref[...] = jnp.sum(g, axis=0, keepdims=True) - prefix + g if reverse else prefix
@@ -39,7 +39,8 @@ def chunk_local_cumsum(
     batch, length, heads, dk = g.shape
     spec = chunk_rows_spec(chunk, dk)
     n_chunks = length // chunk if packed is None else packed.start.shape[0]
-    in_specs = [spec] if packed is None else [packed_rows_spec(length, dk), *packed_chunk_specs(n_chunks)]
+    in_specs = [token_rows_spec(chunk, dk, packed_length=None if packed is None else length),
+                *packed_chunk_specs(packed, n_chunks)]
     return pl.pallas_call(
         functools.partial(_cumsum_kernel, reverse=reverse, chunk=chunk),
         grid=(n_chunks, heads, batch),

@@ -86,6 +86,16 @@ def pad_inputs(q, k, v, g, beta, initial_state, chunk: int, pad_length: bool = T
     )
 
 
+class Packing(NamedTuple):
+    """Packed sequences' layout (`xla_chunked.packed_layout`) as the kernels and the gathers take it:
+    the gathers' maps (padded rows -> tokens, tokens -> padded rows) and where each padded chunk lies in
+    the packed row."""
+
+    source: jax.Array
+    destination: jax.Array
+    chunks: PackedChunks
+
+
 class Stages(NamedTuple):
     """What the forward's stages compute (padded shapes): the backward recomputes them."""
 
@@ -112,24 +122,28 @@ class Solved(NamedTuple):
 
 
 def solve_chunks(
-    x: Padded, q: jax.Array, k: jax.Array, solved: Solved | None, *, chunk: int, interpret: bool,
+    x: Padded, q: jax.Array, k: jax.Array, solved: Solved | None, packed: PackedChunks | None = None, *,
+    chunk: int, interpret: bool,
 ) -> tuple[jax.Array, Solved, tuple[jax.Array, ...]]:
-    """Stages 0 and 1 on padded inputs, with q and k already through `prepare_qk`: G, (T, A_qk) and the
-    WY form (w, u, kg, qg, decay). Given T and A_qk, stage 1 only recomputes the WY form."""
-    g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
+    """Stages 0 and 1 on padded inputs (or packed rows, read in place), with q and k already through
+    `prepare_qk`: G, (T, A_qk) and the WY form (w, u, kg, qg, decay), padded. Given T and A_qk, stage 1
+    only recomputes the WY form."""
+    g = chunk_local_cumsum(x.g, packed, chunk=chunk, interpret=interpret)
     if solved is None:
-        scores, wy = chunk_intra(q, k, x.v, g, x.beta, chunk=chunk, interpret=interpret)
+        scores, wy = chunk_intra(q, k, x.v, g, x.beta, packed, chunk=chunk, interpret=interpret)
         return g, Solved(*scores), wy
-    return g, solved, chunk_wy(q, k, x.v, g, x.beta, solved.inverse, chunk=chunk, interpret=interpret)
+    return g, solved, chunk_wy(q, k, x.v, g, x.beta, solved.inverse, packed, chunk=chunk, interpret=interpret)
 
 
 def forward_stages(
-    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None, *,
-    chunk: int, interpret: bool = False,
+    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None,
+    packed: PackedChunks | None = None, *, chunk: int, interpret: bool = False,
 ) -> Stages:
-    """What the backward needs of the forward, on padded inputs (`solve_chunks`, then the state pass
-    storing every chunk's state)."""
-    g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(x, q, k, solved, chunk=chunk, interpret=interpret)
+    """What the backward needs of the forward, on padded inputs or packed rows (`solve_chunks`, then the
+    state pass storing every chunk's state)."""
+    g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(
+        x, q, k, solved, packed, chunk=chunk, interpret=interpret
+    )
     h, v_new, _ = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
     return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new)
 

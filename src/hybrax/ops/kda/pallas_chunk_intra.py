@@ -39,8 +39,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_window, dot_settings, index_grid, mm, mm_t,
-    packed_chunk_specs, packed_column_spec, packed_rows_spec, pipeline_stages, solve_precision,
+    SUB, PackedChunks, chunk_rows_spec, chunk_windows, dot_settings, index_grid, mm, mm_t, packed_chunk_specs,
+    pipeline_stages, solve_precision, split_packed, token_column_spec, token_rows_spec,
 )
 from hybrax.ops.kda.xla_scan import inverse_l2_norm
 
@@ -186,10 +186,10 @@ def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, with_inverse: bool, packed: bool,
     scale: float, l2_normalize: bool, block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
-    packed_refs, out_refs = (refs[:2], refs[2:]) if packed else (None, refs)
+    packed_refs, out_refs = split_packed(refs, packed)
     inverse_ref, aqk_ref, *wy_refs = out_refs if with_inverse else (None, *out_refs)
     chunk = g_ref.shape[0]
-    q_ref, k_ref, v_ref, beta_ref = (chunk_window(ref, packed_refs, chunk) for ref in (q_ref, k_ref, v_ref, beta_ref))
+    q_ref, k_ref, v_ref, beta_ref = chunk_windows((q_ref, k_ref, v_ref, beta_ref), packed_refs, chunk)
     rows, cols = index_grid(chunk)
     steep = steep_chunk(g_ref)
     betas = beta_ref[...].astype(jnp.float32)[:, None]  # read early: a plain load after barriers waits
@@ -248,14 +248,11 @@ def chunk_intra(
         compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)
-    if packed is None:
-        in_specs = [rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk)]
-    else:
-        tokens = q.shape[1]
-        in_specs = [
-            packed_rows_spec(tokens, dk, group), packed_rows_spec(tokens, dk, group), packed_rows_spec(tokens, dv),
-            rows(dk), packed_column_spec(tokens), *packed_chunk_specs(length // chunk),
-        ]
+    tokens = functools.partial(token_rows_spec, chunk, packed_length=None if packed is None else q.shape[1])
+    in_specs = [
+        tokens(dk, group), tokens(dk, group), tokens(dv), rows(dk),
+        token_column_spec(chunk, None if packed is None else q.shape[1]), *packed_chunk_specs(packed, length // chunk),
+    ]
     wy_out_specs, wy_out_shape = wy_specs(chunk, length, q, v)
     square = jax.ShapeDtypeStruct((batch, length, value_heads, chunk), q.dtype)
     squares = 2 if with_inverse else 1

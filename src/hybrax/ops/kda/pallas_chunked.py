@@ -6,15 +6,14 @@ input dtype: the most expensive stage to recompute, the cheapest to keep) and re
 chunk-local terms and the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens)
 are laid out as XLA chunked lays them out (`xla_chunked.packed_layout`: each sequence from a chunk
 boundary), and the state kernels restart per sequence. The forward's first kernels (the gate cumsum,
-stage 1) read each chunk's rows of the packed inputs in place; the output is gathered back to the
-tokens; the backward gathers the inputs into the padded layout and its gradients back. Not supported
+stage 1), and the backward's, read each chunk's rows of the packed inputs in place; the output and the
+inputs' gradients are gathered back to the tokens. Not supported
 (`auto` then picks XLA): K or V above 256.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,21 +21,12 @@ import jax.numpy as jnp
 from hybrax.core import Invocation, register, runtime_device
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
-from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, kda_chunk_fwd, kda_chunk_fwd_solved
+from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, Packing, kda_chunk_fwd, kda_chunk_fwd_solved
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_tiles import PackedChunks
-from hybrax.ops.kda.xla_chunked import Layout, from_packed_rows, packed_layout, to_packed_rows
+from hybrax.ops.kda.xla_chunked import Layout, from_packed_rows, packed_layout
 
 STATIC = ("scale", "l2_normalize", "chunk", "interpret")
-
-
-class Packing(NamedTuple):
-    """Packed sequences' layout (`xla_chunked.packed_layout`) as the custom VJP takes it: the two
-    gathers' maps and where each padded chunk lies in the packed row."""
-
-    source: jax.Array
-    destination: jax.Array
-    chunks: PackedChunks
 
 
 def packing(layout: Layout, length: int, chunk: int) -> Packing:
@@ -67,17 +57,9 @@ def _kda_chunk_fwd(q, k, v, g, beta, initial_state, segments, packed, *static):
 
 
 def _kda_chunk_bwd(*args):
-    static, ((*inputs, initial_state, segments), packed, solved), (d_out, d_final) = args[:4], args[4], args[5]
-    if packed is not None:  # the backward's kernels read the padded layout: gathered here, and back after
-        layout = Layout(segments, packed.destination, packed.source, 0)
-        inputs = [to_packed_rows(x, layout) for x in inputs]
-    d_q, d_k, d_v, d_g, d_beta, d_initial = kda_chunk_bwd(
-        *inputs, initial_state, d_out, d_final, segments, solved, **dict(zip(STATIC, static))
-    )
-    grads = (d_q, d_k, d_v, d_g, d_beta)
-    if packed is not None:
-        grads = tuple(from_packed_rows(x, layout) for x in grads)
-    return (*grads, d_initial, None, None)  # segments, packing: integer metadata, no cotangent
+    static, ((*inputs, segments), packed, solved), (d_out, d_final) = args[:4], args[4], args[5]
+    grads = kda_chunk_bwd(*inputs, d_out, d_final, segments, solved, packed, **dict(zip(STATIC, static)))
+    return (*grads, None, None)  # segments, packing: integer metadata, no cotangent
 
 
 kda_chunk.defvjp(_kda_chunk_fwd, _kda_chunk_bwd)

@@ -117,9 +117,9 @@ def packed_column_spec(length: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, length, None), lambda t, h, b: (b, 0, h))
 
 
-def packed_chunk_specs(n_chunks: int) -> list[pl.BlockSpec]:
-    """`PackedChunks`' two [NT] arrays, whole, for a per-chunk kernel."""
-    return [pl.BlockSpec((n_chunks,), lambda t, h, b: (0,))] * 2
+def packed_chunk_specs(packed: PackedChunks | None, n_chunks: int) -> list[pl.BlockSpec]:
+    """`PackedChunks`' two [NT] arrays, whole, for a per-chunk kernel (none without packed rows)."""
+    return [] if packed is None else [pl.BlockSpec((n_chunks,), lambda t, h, b: (0,))] * 2
 
 
 class ChunkWindow:
@@ -142,6 +142,25 @@ class ChunkWindow:
         return pltriton.load(self.ref.at[(self.start + row, *rest)], mask=row < self.count, other=0)
 
 
+def token_rows_spec(chunk: int, width: int, group: int = 1, packed_length: int | None = None) -> pl.BlockSpec:
+    """A per-chunk kernel's spec of a [B, T, heads, width] token input: the chunk's block, or with packed
+    rows (`packed_length` = T of the packed row) the whole row, read through `chunk_window`."""
+    if packed_length is None:
+        return chunk_rows_spec(chunk, width, group)
+    return packed_rows_spec(packed_length, width, group)
+
+
+def token_column_spec(chunk: int, packed_length: int | None = None) -> pl.BlockSpec:
+    """`token_rows_spec` for a [B, T, HV] token input (beta)."""
+    return chunk_column_spec(chunk) if packed_length is None else packed_column_spec(packed_length)
+
+
+def split_packed(refs: tuple, packed: bool) -> tuple[tuple | None, tuple]:
+    """(PackedChunks' two refs or None, the refs after them) of the refs that follow a per-chunk kernel's
+    regular inputs (the packed chunks' arrays come right after them)."""
+    return (refs[:2], refs[2:]) if packed else (None, refs)
+
+
 def chunk_window(ref, packed_refs, chunk: int):
     """`ref` itself (the chunk's block) without packed sequences, else its `ChunkWindow` for this program's
     chunk (packed_refs: the kernel's refs of `PackedChunks`)."""
@@ -150,3 +169,8 @@ def chunk_window(ref, packed_refs, chunk: int):
     t = pl.program_id(0)
     start_ref, count_ref = packed_refs
     return ChunkWindow(ref, start_ref[t], count_ref[t], chunk)
+
+
+def chunk_windows(refs, packed_refs, chunk: int) -> tuple:
+    """`chunk_window` of each of `refs`."""
+    return tuple(chunk_window(ref, packed_refs, chunk) for ref in refs)
