@@ -1,7 +1,8 @@
 """Register-tile helpers shared by the KDA Pallas kernels (Triton lowering).
 
 Triton tiles cannot be sliced or indexed in registers: blocks are assembled from full-tile
-operations under iota masks, and rows are read from the kernel's refs instead.
+operations under iota masks, and rows are read from the kernel's refs instead. With packed sequences
+the per-chunk kernels read their token inputs in place, through masked windows (`ChunkWindow`).
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def index_grid(n: int) -> tuple[jax.Array, jax.Array]:
 
 class PackedChunks(NamedTuple):
     """Where the padded layout's chunks of packed sequences (`xla_chunked.packed_layout`: each sequence
-    from a chunk boundary) lie in the packed row, so that the first kernels read their inputs in place
-    instead of from gathered copies: per padded chunk [NT] int32, its first token and how many of its
+    from a chunk boundary) lie in the packed row, so that the per-chunk kernels read their token inputs in
+    place instead of from gathered copies: per padded chunk [NT] int32, its first token and how many of its
     rows hold tokens of its sequence (the rest read as zeros, as padding)."""
 
     start: jax.Array
