@@ -164,12 +164,14 @@ def test_vmap_and_checkpoint_match_xla():
     assert_close(checkpointed_grad("pallas"), to64(checkpointed_grad("xla")), 1e-5, "checkpointed gradient")
 
 
+@pytest.mark.parametrize("dims", [(16, 32), (24, 40)])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_packed_sequences(with_state):
-    # Sequences of 0 (empty), 70 (over a chunk), 5, 0 and 40 tokens, then 13 tokens of no sequence.
+def test_packed_sequences(with_state, dims):
+    # Sequences of 0 (empty), 70 (over a chunk), 5, 0 and 40 tokens, then 13 tokens of no sequence; head
+    # sizes that are tiles, and ones padded to tiles (the packed rows are then read from padded copies).
     cu_seqlens = jnp.array([0, 0, 70, 75, 75, 115], jnp.int32)
-    q, k, v, g, beta = inputs(100, 1, 128, 1, 2, 16, 32, jnp.float32)
-    h0 = normal(106, (5, 2, 16, 32), scale=0.5) if with_state else None
+    q, k, v, g, beta = inputs(100, 1, 128, 1, 2, *dims, jnp.float32)
+    h0 = normal(106, (5, 2, *dims), scale=0.5) if with_state else None
     out, final = api.kernel_delta_attention(
         q, k, v, beta, g, h0, platform="pallas", return_state=True, cu_seqlens=cu_seqlens
     )
