@@ -34,7 +34,10 @@ from jax._src.lib.mlir import ir
 from jaxlib.triton import dialect as triton_dialect
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its tests
+from hybrax.ops.kda.pallas_chunk_fwd import Packing  # noqa: E402
+from hybrax.ops.kda.pallas_chunk_state import Segments  # noqa: E402
 from hybrax.ops.kda.pallas_chunked import kda_chunk  # noqa: E402
+from hybrax.ops.kda.pallas_tiles import PackedChunks  # noqa: E402
 from hybrax.ops.kda.pallas_decode import fused_recurrent_decode, launch_params  # noqa: E402
 from tests.helpers import lower_for_h200  # noqa: E402
 
@@ -107,22 +110,31 @@ def triton_calls(text: str, directory: str) -> list[tuple[str, int, int, str]]:
     return calls
 
 
-def kda_calls(dtype, dim: int, directory: str, chunk: int = 64) -> list[tuple[str, int, int, str]]:
-    """The Triton calls of the chunked forward, then of the gradient (its recomputed forward and backward)."""
-    batch, length, heads = 1, 128, 2
+def kda_calls(dtype, dim: int, directory: str, chunk: int = 64, packed: bool = False) -> list[tuple]:
+    """The Triton calls of the chunked forward, then of the gradient (its recomputed forward and backward);
+    with `packed`, of 100 packed tokens of 3 sequences in 3 padded chunks (the forward reads them in place)."""
+    batch, length, heads, sequences = 1, 100 if packed else 128, 2, 3 if packed else 1
     tokens = (batch, length, heads, dim)
     shapes = [(tokens, dtype)] * 3 + [(tokens, jnp.float32), ((batch, length, heads), jnp.float32),
-                                      ((batch, heads, dim, dim), jnp.float32)]
+                                      ((sequences, heads, dim, dim), jnp.float32)]
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    n_chunks = 3  # segments' three arrays, the gathers' two maps, PackedChunks' two arrays
+    sizes = (n_chunks,) * 3 + (n_chunks * chunk, length) + (n_chunks,) * 2
+    layout = [jax.ShapeDtypeStruct((n,), jnp.int32) for n in sizes]
 
-    def forward(*arrays):
-        return kda_chunk(*arrays, None, dim ** -0.5, True, chunk, False)
+    def forward(*arrays):  # the six inputs, then with `packed` the layout's arrays
+        if not packed:
+            return kda_chunk(*arrays, None, None, dim ** -0.5, True, chunk, False)
+        segments, (source, destination, *chunks) = Segments(*arrays[6:9]), arrays[9:]
+        packing = Packing(source, destination, PackedChunks(*chunks))
+        return kda_chunk(*arrays[:6], segments, packing, dim ** -0.5, True, chunk, False)
 
     def loss(*arrays):
         out, state = forward(*arrays)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
 
     gradient = jax.grad(loss, argnums=tuple(range(6)))
+    args += layout if packed else []
     return [call for fn in (forward, gradient) for call in triton_calls(lower_for_h200(fn, *args), directory)]
 
 
@@ -148,11 +160,12 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128, help="K = V")
     parser.add_argument("--op", default="chunked", choices=["chunked", "decode"])
     parser.add_argument("--chunk", type=int, default=64, help="the chunked path's chunk size")
+    parser.add_argument("--packed", action="store_true", help="packed sequences (cu_seqlens), read in place")
     args = parser.parse_args()
     dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.dtype]
     with tempfile.TemporaryDirectory() as directory:
         if args.op == "chunked":
-            calls = kda_calls(dtype, args.dim, directory, args.chunk)
+            calls = kda_calls(dtype, args.dim, directory, args.chunk, args.packed)
         else:
             calls = decode_calls(dtype, args.dim, directory)
         compiled = subprocess.run(

@@ -32,7 +32,7 @@ def check(seed, batch, length, heads, value_heads, dk, dv, dtype=jnp.float32, *,
     scale = dk**-0.5
 
     def ours(q, k, v, g, beta, h0):
-        return kda_chunk(q, k, v, g, beta, h0, None, scale, l2_normalize, chunk, True)
+        return kda_chunk(q, k, v, g, beta, h0, None, None, scale, l2_normalize, chunk, True)
 
     def scan(q, k, v, g, beta, h0):
         return kernel_delta_attention(
@@ -114,13 +114,15 @@ def test_one_pipeline_stage_at_head_dim_256():
     assert {stages[name] for name in ("kda_chunk_state_bwd", "kda_chunk_grad", "kda_chunk_intra_bwd")} == {1}
 
 
-def test_packed_sequences():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_sequences(dtype):
     # Sequences of 0 (empty), 70, 5, 0 and 40 tokens, then 13 tokens of no sequence; an empty
-    # sequence's initial-state gradient is its final state's cotangent.
+    # sequence's initial-state gradient is its final state's cotangent. The kernels read the packed rows
+    # in place: the last sequence's last chunk runs past the array's end (masked).
     cu_seqlens = jnp.array([0, 0, 70, 75, 75, 115], jnp.int32)
-    q, k, v, g, beta = inputs(110, 1, 128, 1, 2, 16, 32, jnp.float32)
+    q, k, v, g, beta = inputs(110, 1, 128, 1, 2, 16, 32, dtype)
     h0 = normal(116, (5, 2, 16, 32), scale=0.5)
-    d_out, d_final = normal(117, v.shape), normal(118, h0.shape)
+    d_out, d_final = normal(117, v.shape, dtype), normal(118, h0.shape)
 
     def run(platform, cfg=None):
         def f(q, k, v, g, beta, h0):
@@ -132,7 +134,7 @@ def test_packed_sequences():
 
     got, want = run("pallas"), run(None, SCAN)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "d_initial"), got, want):
-        assert_close(a, b, TOLERANCE[jnp.float32], name)
+        assert_close(a, b, TOLERANCE[dtype], name)
 
 
 def test_grad_kernel_slices_agree():

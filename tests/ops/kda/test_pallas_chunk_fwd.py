@@ -25,7 +25,7 @@ from hybrax.ops.kda.pallas_chunk_state import (
 )
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
-from hybrax.ops.kda.pallas_tiles import EXACT
+from hybrax.ops.kda.pallas_tiles import EXACT, PackedChunks
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
 
@@ -164,12 +164,14 @@ def test_vmap_and_checkpoint_match_xla():
     assert_close(checkpointed_grad("pallas"), to64(checkpointed_grad("xla")), 1e-5, "checkpointed gradient")
 
 
+@pytest.mark.parametrize("dims", [(16, 32), (24, 40)])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_packed_sequences(with_state):
-    # Sequences of 0 (empty), 70 (over a chunk), 5, 0 and 40 tokens, then 13 tokens of no sequence.
+def test_packed_sequences(with_state, dims):
+    # Sequences of 0 (empty), 70 (over a chunk), 5, 0 and 40 tokens, then 13 tokens of no sequence; head
+    # sizes that are tiles, and ones padded to tiles (the packed rows are then read from padded copies).
     cu_seqlens = jnp.array([0, 0, 70, 75, 75, 115], jnp.int32)
-    q, k, v, g, beta = inputs(100, 1, 128, 1, 2, 16, 32, jnp.float32)
-    h0 = normal(106, (5, 2, 16, 32), scale=0.5) if with_state else None
+    q, k, v, g, beta = inputs(100, 1, 128, 1, 2, *dims, jnp.float32)
+    h0 = normal(106, (5, 2, *dims), scale=0.5) if with_state else None
     out, final = api.kernel_delta_attention(
         q, k, v, beta, g, h0, platform="pallas", return_state=True, cu_seqlens=cu_seqlens
     )
@@ -245,6 +247,20 @@ def test_lowers_to_triton(dtype, packed):
         lambda *a: kda_chunk_fwd(*a[:6], Segments(*a[6:]) if packed else None, scale=0.1), *args, *segments
     )
     assert text.count("__gpu$xla.gpu.triton") == 3  # cumsum, intra, state pass with the output
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_to_triton_reading_packed_rows_in_place(dtype):
+    # 100 packed tokens in 3 padded chunks: the cumsum and stage 1 read them through masked windows.
+    args, _ = abstract_inputs(dtype, True)
+    args = [jax.ShapeDtypeStruct((1, 100, *x.shape[2:]), x.dtype) for x in args[:5]] + args[5:]
+    chunks = [jax.ShapeDtypeStruct((3,), jnp.int32) for _ in range(5)]
+
+    def forward(*a):
+        return kda_chunk_fwd(*a[:6], Segments(*a[6:9]), PackedChunks(*a[9:]), scale=0.1)
+
+    text = lower_for_h200(forward, *args, *chunks)
+    assert text.count("__gpu$xla.gpu.triton") == 3
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

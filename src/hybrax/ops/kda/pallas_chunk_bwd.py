@@ -19,11 +19,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_fwd import Solved, forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to
+from hybrax.ops.kda.pallas_chunk_fwd import (
+    Packing, Solved, forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to,
+)
 from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
+from hybrax.ops.kda.xla_chunked import take_rows
 
 
 def _per_key_head(x: jax.Array, heads: int) -> jax.Array:
@@ -44,6 +47,7 @@ def kda_chunk_bwd(
     d_final: Float[Array, "B HV K V"],
     segments: Segments | None = None,
     solved: Solved | None = None,
+    packing: Packing | None = None,
     *,
     scale: float,
     l2_normalize: bool = True,
@@ -52,14 +56,17 @@ def kda_chunk_bwd(
 ) -> tuple[jax.Array, ...]:
     """The cotangents (dq, dk, dv, dg, dbeta, d initial state) of `kda_chunk_fwd`'s (o, final state);
     each in its input's dtype (d initial state None when the initial state is None). `segments` as
-    in `kda_chunk_fwd`; `solved`: the forward's T and A_qk (recomputed when None)."""
+    in `kda_chunk_fwd`; `solved`: the forward's T and A_qk (recomputed when None). With `packing` too, the
+    inputs and their cotangents are packed rows (the kernels read them in place) and d_out, T and A_qk
+    are in the padded layout."""
     length, heads, dk = q.shape[1], q.shape[2], q.shape[3]
     dv = v.shape[3]
-    x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
+    chunks = None if packing is None else packing.chunks
+    x = pad_inputs(q, k, v, g, beta, initial_state, chunk, pad_length=packing is None)
     normalized, normalize_vjp = jax.vjp(lambda q, k: normalize_qk(q, k, scale, l2_normalize), x.q, x.k)
     qn, kn = (y.astype(x.q.dtype) for y in normalized)  # as the forward's kernels read them
-    s = forward_stages(x, qn, kn, segments, solved, chunk=chunk, interpret=interpret)
-    d_out = pad_to(d_out.astype(x.v.dtype), {1: x.v.shape[1], 3: x.v.shape[3]})
+    s = forward_stages(x, qn, kn, segments, solved, chunks, chunk=chunk, interpret=interpret)
+    d_out = pad_to(d_out.astype(x.v.dtype), {1: s.g.shape[1], 3: x.v.shape[3]})
     d_final = pad_to(d_final.astype(jnp.float32), {2: x.k.shape[3], 3: x.v.shape[3]})
 
     dh, dv_new, d_initial = chunk_state_bwd(
@@ -68,16 +75,21 @@ def kda_chunk_bwd(
     if segments is not None:  # an empty sequence's final state is its initial state
         d_initial = jnp.where(has_chunks(segments, d_final.shape[0]), d_initial, d_final)
     dq, dk_, dv_, dbeta, dg, daqk, dakk = chunk_grad(
-        qn, kn, x.v, s.g, x.beta, s.inverse, s.h, dh, s.v_new, dv_new, d_out, chunk=chunk, interpret=interpret
+        qn, kn, x.v, s.g, x.beta, s.inverse, s.h, dh, s.v_new, dv_new, d_out, chunks, chunk=chunk,
+        interpret=interpret,
     )
     dq_intra, dk_intra, dg_intra, dbeta_intra = chunk_intra_bwd(
-        qn, kn, s.g, x.beta, daqk, dakk, chunk=chunk, interpret=interpret
+        qn, kn, s.g, x.beta, daqk, dakk, chunks, chunk=chunk, interpret=interpret
     )
     dg = chunk_local_cumsum(dg + dg_intra, chunk=chunk, reverse=True, interpret=interpret)
-    dq, dk_ = normalize_vjp((_per_key_head(dq + dq_intra, heads), _per_key_head(dk_ + dk_intra, heads)))
-    crop = lambda x, width: x[:, :length, :, :width]  # noqa: E731
+
+    def rows(x):  # the padded layout -> the rows of x (packed: the tokens')
+        return x if packing is None else take_rows(x, packing.destination, packing.source)
+
+    dq, dk_ = normalize_vjp(tuple(rows(_per_key_head(a + b, heads)) for a, b in ((dq, dq_intra), (dk_, dk_intra))))
+    crop = lambda x, width: rows(x)[:, :length, :, :width]  # noqa: E731
     d_initial = None if initial_state is None else d_initial[:, :, :dk, :dv]
     return (
-        crop(dq, dk).astype(q.dtype), crop(dk_, dk).astype(k.dtype), crop(dv_, dv).astype(v.dtype),
-        crop(dg, dk).astype(g.dtype), (dbeta + dbeta_intra)[:, :length].astype(beta.dtype), d_initial,
+        dq[:, :length, :, :dk].astype(q.dtype), dk_[:, :length, :, :dk].astype(k.dtype), crop(dv_, dv).astype(v.dtype),
+        crop(dg, dk).astype(g.dtype), rows(dbeta + dbeta_intra)[:, :length].astype(beta.dtype), d_initial,
     )

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float
 from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
 from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state, chunk_state_output
+from hybrax.ops.kda.pallas_tiles import PackedChunks
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.xla_scan import l2_normalize
 
@@ -71,9 +72,10 @@ class Padded(NamedTuple):
     initial_state: jax.Array | None
 
 
-def pad_inputs(q, k, v, g, beta, initial_state, chunk: int) -> Padded:
+def pad_inputs(q, k, v, g, beta, initial_state, chunk: int, pad_length: bool = True) -> Padded:
+    """Without `pad_length` T stays (packed rows, which the kernels read in place)."""
     length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
-    padded_length = -(-length // chunk) * chunk
+    padded_length = -(-length // chunk) * chunk if pad_length else length
     kp, vp = _tile(dk), _tile(dv)
     return Padded(
         *(pad_to(x.astype(v.dtype), {1: padded_length, 3: kp}) for x in (q, k)),
@@ -82,6 +84,16 @@ def pad_inputs(q, k, v, g, beta, initial_state, chunk: int) -> Padded:
         pad_to(beta.astype(jnp.float32), {1: padded_length}),
         pad_to(initial_state, {2: kp, 3: vp}),
     )
+
+
+class Packing(NamedTuple):
+    """Packed sequences' layout (`xla_chunked.packed_layout`) as the kernels and the gathers take it:
+    the gathers' maps (padded rows -> tokens, tokens -> padded rows) and where each padded chunk lies in
+    the packed row."""
+
+    source: jax.Array
+    destination: jax.Array
+    chunks: PackedChunks
 
 
 class Stages(NamedTuple):
@@ -110,24 +122,28 @@ class Solved(NamedTuple):
 
 
 def solve_chunks(
-    x: Padded, q: jax.Array, k: jax.Array, solved: Solved | None, *, chunk: int, interpret: bool,
+    x: Padded, q: jax.Array, k: jax.Array, solved: Solved | None, packed: PackedChunks | None = None, *,
+    chunk: int, interpret: bool,
 ) -> tuple[jax.Array, Solved, tuple[jax.Array, ...]]:
-    """Stages 0 and 1 on padded inputs, with q and k already through `prepare_qk`: G, (T, A_qk) and the
-    WY form (w, u, kg, qg, decay). Given T and A_qk, stage 1 only recomputes the WY form."""
-    g = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
+    """Stages 0 and 1 on padded inputs (or packed rows, read in place), with q and k already through
+    `prepare_qk`: G, (T, A_qk) and the WY form (w, u, kg, qg, decay), padded. Given T and A_qk, stage 1
+    only recomputes the WY form."""
+    g = chunk_local_cumsum(x.g, packed, chunk=chunk, interpret=interpret)
     if solved is None:
-        scores, wy = chunk_intra(q, k, x.v, g, x.beta, chunk=chunk, interpret=interpret)
+        scores, wy = chunk_intra(q, k, x.v, g, x.beta, packed, chunk=chunk, interpret=interpret)
         return g, Solved(*scores), wy
-    return g, solved, chunk_wy(q, k, x.v, g, x.beta, solved.inverse, chunk=chunk, interpret=interpret)
+    return g, solved, chunk_wy(q, k, x.v, g, x.beta, solved.inverse, packed, chunk=chunk, interpret=interpret)
 
 
 def forward_stages(
-    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None, *,
-    chunk: int, interpret: bool = False,
+    x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None,
+    packed: PackedChunks | None = None, *, chunk: int, interpret: bool = False,
 ) -> Stages:
-    """What the backward needs of the forward, on padded inputs (`solve_chunks`, then the state pass
-    storing every chunk's state)."""
-    g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(x, q, k, solved, chunk=chunk, interpret=interpret)
+    """What the backward needs of the forward, on padded inputs or packed rows (`solve_chunks`, then the
+    state pass storing every chunk's state)."""
+    g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(
+        x, q, k, solved, packed, chunk=chunk, interpret=interpret
+    )
     h, v_new, _ = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
     return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new)
 
@@ -150,6 +166,7 @@ def kda_chunk_fwd_solved(
     beta: Float[Array, "B T HV"],
     initial_state: Float[Array, "B HV K V"] | None = None,
     segments: Segments | None = None,
+    packed: PackedChunks | None = None,
     *,
     scale: float,
     l2_normalize: bool = True,
@@ -165,13 +182,16 @@ def kda_chunk_fwd_solved(
     g is the per-channel log decay (<= 0), beta the update strength (already through its
     sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the
     batch of one holds packed sequences, each from a chunk boundary (`xla_chunked.packed_layout`), and
-    initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V].
+    initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V]. With `packed` too,
+    the inputs are the packed rows themselves (the first kernels read each chunk's rows in place) and o
+    and T, A_qk come in the padded layout.
     """
-    length, dk, dv = q.shape[1], q.shape[3], v.shape[3]
-    x = pad_inputs(q, k, v, g, beta, initial_state, chunk)
-    gates = chunk_local_cumsum(x.g, chunk=chunk, interpret=interpret)
+    dk, dv = q.shape[3], v.shape[3]
+    x = pad_inputs(q, k, v, g, beta, initial_state, chunk, pad_length=packed is None)
+    gates = chunk_local_cumsum(x.g, packed, chunk=chunk, interpret=interpret)
+    length = q.shape[1] if packed is None else gates.shape[1]
     scores, (w, u, kg, qg, decay) = chunk_intra(  # q, k normalized inside: no pass writes copies first
-        x.q, x.k, x.v, gates, x.beta, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
+        x.q, x.k, x.v, gates, x.beta, packed, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
         with_inverse=with_inverse, interpret=interpret,
     )
     solved = Solved(*scores)

@@ -28,16 +28,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import (
-    chunk_column_spec, chunk_rows_spec, chunk_state_spec, dot_settings, index_grid, mm_t, mm_tn, pipeline_stages,
-    solve_precision,
+    PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_state_spec, chunk_windows, dot_settings, index_grid, mm_t,
+    mm_tn, packed_chunk_specs, pipeline_stages, solve_precision, split_packed, token_column_spec, token_rows_spec,
 )
 
 
 def _grad_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, h_ref, dh_ref, v_new_ref, dv_new_ref, d_out_ref,
-    dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, daqk_ref, dakk_ref,
-    *, block_k: int, block_v: int, compute_dtype, precision, fp32_precision,
+    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, h_ref, dh_ref, v_new_ref, dv_new_ref, d_out_ref, *refs,
+    packed: bool, block_k: int, block_v: int, compute_dtype, precision, fp32_precision,
 ):
+    packed_refs, (dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, daqk_ref, dakk_ref) = split_packed(refs, packed)
+    q_ref, k_ref, v_ref, beta_ref = chunk_windows((q_ref, k_ref, v_ref, beta_ref), packed_refs, g_ref.shape[0])
     chunk, dk = q_ref.shape
     dv = v_ref.shape[1]
     betas = beta_ref[...].astype(jnp.float32)[:, None]
@@ -115,7 +116,8 @@ def _grad_kernel(
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_grad(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, h: jax.Array,
-    dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, *, chunk: int = 64,
+    dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, packed: PackedChunks | None = None, *,
+    chunk: int = 64,
     block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
@@ -123,30 +125,35 @@ def chunk_grad(
     beta [B, T, HV]; T [B, T, HV, chunk]; h, dh [B, NT, HV, K, V].
 
     Returns dq, dk [B, T, HV, K] fp32 (per value head), dv [B, T, HV, V] (v's dtype), dbeta [B, T, HV],
-    dG [B, T, HV, K], dA_qk, dA_kk [B, T, HV, chunk] (fp32; masked as the forward's).
+    dG [B, T, HV, K], dA_qk, dA_kk [B, T, HV, chunk] (fp32; masked as the forward's). With `packed`, q, k, v
+    and beta are packed rows read in place (`chunk_intra`); the rest and the results are padded.
     """
-    batch, length, heads, dk = q.shape
+    batch, length, heads, dk = g.shape[0], g.shape[1], q.shape[2], q.shape[3]
     dv, value_heads = v.shape[3], v.shape[2]
     group = value_heads // heads
     compute_dtype, precision = dot_settings(q.dtype, interpret)
+    packed_length = None if packed is None else q.shape[1]
 
     def rows_spec(width, group=1):
         return chunk_rows_spec(chunk, width, group)
+
+    def tokens_spec(width, group=1):
+        return token_rows_spec(chunk, width, group, packed_length)
 
     state_spec, beta_spec = chunk_state_spec(dk, dv), chunk_column_spec(chunk)
     token_shape = (batch, length, value_heads)
     f32 = jnp.float32
     kernel = functools.partial(
-        _grad_kernel, block_k=min(block_k, dk), block_v=min(block_v, dv), compute_dtype=compute_dtype,
-        precision=precision,
-        fp32_precision=solve_precision(interpret, q.dtype),
+        _grad_kernel, packed=packed is not None, block_k=min(block_k, dk), block_v=min(block_v, dv),
+        compute_dtype=compute_dtype, precision=precision, fp32_precision=solve_precision(interpret, q.dtype),
     )
     return pl.pallas_call(
         kernel,
         grid=(length // chunk, value_heads, batch),
         in_specs=[
-            rows_spec(dk, group), rows_spec(dk, group), rows_spec(dv), rows_spec(dk),
-            beta_spec, rows_spec(chunk), state_spec, state_spec, rows_spec(dv), rows_spec(dv), rows_spec(dv),
+            tokens_spec(dk, group), tokens_spec(dk, group), tokens_spec(dv), rows_spec(dk),
+            token_column_spec(chunk, packed_length), rows_spec(chunk), state_spec, state_spec, rows_spec(dv),
+            rows_spec(dv), rows_spec(dv), *packed_chunk_specs(packed, length // chunk),
         ],
         out_specs=[
             rows_spec(dk), rows_spec(dk), rows_spec(dv), beta_spec, rows_spec(dk), rows_spec(chunk), rows_spec(chunk),
@@ -165,4 +172,4 @@ def chunk_grad(
         ),
         interpret=interpret,
         name="kda_chunk_grad",
-    )(q, k, v, g, beta, inverse, h, dh, v_new, dv_new, d_out)
+    )(q, k, v, g, beta, inverse, h, dh, v_new, dv_new, d_out, *(packed or ()))

@@ -39,7 +39,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, chunk_column_spec, chunk_rows_spec, dot_settings, index_grid, mm, mm_t, pipeline_stages, solve_precision,
+    SUB, PackedChunks, chunk_rows_spec, chunk_windows, dot_settings, index_grid, mm, mm_t, packed_chunk_specs,
+    pipeline_stages, solve_precision, split_packed, token_column_spec, token_rows_spec,
 )
 from hybrax.ops.kda.xla_scan import inverse_l2_norm
 
@@ -182,11 +183,14 @@ def row_factors(q_ref, k_ref, scale: float, l2_normalize: bool, block_k: int) ->
 
 
 def _intra_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, *out_refs, with_inverse: bool,
+    q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, with_inverse: bool, packed: bool,
     scale: float, l2_normalize: bool, block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
+    packed_refs, out_refs = split_packed(refs, packed)
     inverse_ref, aqk_ref, *wy_refs = out_refs if with_inverse else (None, *out_refs)
-    rows, cols = index_grid(q_ref.shape[0])
+    chunk = g_ref.shape[0]
+    q_ref, k_ref, v_ref, beta_ref = chunk_windows((q_ref, k_ref, v_ref, beta_ref), packed_refs, chunk)
+    rows, cols = index_grid(chunk)
     steep = steep_chunk(g_ref)
     betas = beta_ref[...].astype(jnp.float32)[:, None]  # read early: a plain load after barriers waits
     akk, aqk = lax.cond(
@@ -219,7 +223,7 @@ def _intra_kernel(
     ),
 )
 def chunk_intra(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, packed: PackedChunks | None = None, *,
     scale: float = 1.0, l2_normalize: bool = False, chunk: int = 64, with_inverse: bool = True, block_k: int = 32,
     block_v: int = 64, num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
@@ -230,24 +234,32 @@ def chunk_intra(
     Returns (T = (I + A_kk)^-1, A_qk), each [B, T, HV, chunk] (row t: row t % chunk of its chunk's
     matrix, zeros above the diagonal; T None without `with_inverse`: only the backward reads it), and
     `chunk_wy`'s (w, u, kg, qg, decay), in the inputs' dtype (decay fp32).
+
+    With `packed`, q, k, v and beta hold packed sequences ([1, T', ...], any T'), read in place, and g
+    and every result are in the padded layout ([1, NT * chunk, ...]).
     """
     dk, dv = q.shape[3], v.shape[3]
-    batch, length, value_heads = v.shape[:3]
+    batch, length, value_heads = g.shape[:3]
     group = value_heads // q.shape[2]
     compute_dtype, wy_precision = dot_settings(q.dtype, interpret)
     kernel = functools.partial(
-        _intra_kernel, with_inverse=with_inverse, scale=scale, l2_normalize=l2_normalize, block_k=min(block_k, dk),
-        block_v=min(block_v, dv), precision=solve_precision(interpret, q.dtype), compute_dtype=compute_dtype,
-        wy_precision=wy_precision,
+        _intra_kernel, with_inverse=with_inverse, packed=packed is not None, scale=scale, l2_normalize=l2_normalize,
+        block_k=min(block_k, dk), block_v=min(block_v, dv), precision=solve_precision(interpret, q.dtype),
+        compute_dtype=compute_dtype, wy_precision=wy_precision,
     )
     rows = functools.partial(chunk_rows_spec, chunk)
-    wy_out_specs, wy_out_shape = wy_specs(chunk, q, v)
+    tokens = functools.partial(token_rows_spec, chunk, packed_length=None if packed is None else q.shape[1])
+    in_specs = [
+        tokens(dk, group), tokens(dk, group), tokens(dv), rows(dk),
+        token_column_spec(chunk, None if packed is None else q.shape[1]), *packed_chunk_specs(packed, length // chunk),
+    ]
+    wy_out_specs, wy_out_shape = wy_specs(chunk, length, q, v)
     square = jax.ShapeDtypeStruct((batch, length, value_heads, chunk), q.dtype)
     squares = 2 if with_inverse else 1
     outputs = pl.pallas_call(
         kernel,
         grid=(length // chunk, value_heads, batch),
-        in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk)],
+        in_specs=in_specs,
         out_specs=[*[rows(chunk)] * squares, *wy_out_specs],
         out_shape=[*[square] * squares, *wy_out_shape],
         compiler_params=pltriton.CompilerParams(
@@ -255,5 +267,5 @@ def chunk_intra(
         ),
         interpret=interpret,
         name="kda_chunk_intra",
-    )(q, k, v, g, beta)
+    )(q, k, v, g, beta, *(packed or ()))
     return (outputs[0] if with_inverse else None, outputs[squares - 1]), tuple(outputs[squares:])

@@ -28,7 +28,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_intra import STEEP, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, chunk_column_spec, chunk_rows_spec, index_grid, mm, mm_tn, pipeline_stages, solve_precision,
+    SUB, PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_windows, index_grid, mm, mm_tn, packed_chunk_specs,
+    pipeline_stages, solve_precision, split_packed, token_column_spec, token_rows_spec,
 )
 
 
@@ -63,9 +64,9 @@ def _exact_diagonal(p, d, r, queries, keys, gates, k_ref, g_ref, slice_k, diagon
     return lax.fori_loop(0, chunk, column, (zeros, zeros, zeros))
 
 
-def _intra_bwd_kernel(
-    q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, block_k, precision
-):
+def _intra_bwd_kernel(q_ref, k_ref, g_ref, beta_ref, daqk_ref, dakk_ref, *refs, packed: bool, block_k, precision):
+    packed_refs, (dq_ref, dk_ref, dg_ref, dbeta_ref) = split_packed(refs, packed)
+    q_ref, k_ref, beta_ref = chunk_windows((q_ref, k_ref, beta_ref), packed_refs, g_ref.shape[0])
     chunk = q_ref.shape[0]
     n_sub = chunk // SUB
     rows, cols = index_grid(chunk)
@@ -108,19 +109,21 @@ def _intra_bwd_kernel(
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "num_stages", "interpret"))
 def chunk_intra_bwd(
-    q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, daqk: jax.Array, dakk: jax.Array, *,
-    chunk: int = 64, block_k: int = 16, num_warps: int = 4, num_stages: int | None = None,
-    interpret: bool = False,
+    q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array, daqk: jax.Array, dakk: jax.Array,
+    packed: PackedChunks | None = None, *, chunk: int = 64, block_k: int = 16, num_warps: int = 4,
+    num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, K] (prepared); g [B, T, HV, K] (G, fp32); beta [B, T, HV]; dA_qk, dA_kk
     [B, T, HV, chunk] fp32 (masked).
 
-    Returns dq, dk, dG [B, T, HV, K] and dbeta [B, T, HV], fp32, per value head.
+    Returns dq, dk, dG [B, T, HV, K] and dbeta [B, T, HV], fp32, per value head. With `packed`, q, k and
+    beta are packed rows read in place (`chunk_intra`); the rest and the results are padded.
     """
-    batch, length, heads, dk = q.shape
+    batch, length, heads, dk = g.shape[0], g.shape[1], q.shape[2], q.shape[3]
     value_heads = g.shape[2]
     group = value_heads // heads
     block_k = min(block_k, dk)
+    packed_length = None if packed is None else q.shape[1]
 
     def rows_spec(width, group=1):
         return chunk_rows_spec(chunk, width, group)
@@ -128,13 +131,16 @@ def chunk_intra_bwd(
     beta_spec = chunk_column_spec(chunk)
     token_shape = (batch, length, value_heads)
     keys_out = jax.ShapeDtypeStruct((*token_shape, dk), jnp.float32)
-    kernel = functools.partial(_intra_bwd_kernel, block_k=block_k, precision=solve_precision(interpret, q.dtype))
+    kernel = functools.partial(
+        _intra_bwd_kernel, packed=packed is not None, block_k=block_k, precision=solve_precision(interpret, q.dtype)
+    )
     return pl.pallas_call(
         kernel,
         grid=(length // chunk, value_heads, batch),
         in_specs=[
-            rows_spec(dk, group), rows_spec(dk, group), rows_spec(dk), beta_spec,
-            rows_spec(chunk), rows_spec(chunk),
+            token_rows_spec(chunk, dk, group, packed_length), token_rows_spec(chunk, dk, group, packed_length),
+            rows_spec(dk), token_column_spec(chunk, packed_length), rows_spec(chunk), rows_spec(chunk),
+            *packed_chunk_specs(packed, length // chunk),
         ],
         out_specs=[rows_spec(dk), rows_spec(dk), rows_spec(dk), beta_spec],
         out_shape=[keys_out, keys_out, keys_out, jax.ShapeDtypeStruct(token_shape, jnp.float32)],
@@ -143,4 +149,4 @@ def chunk_intra_bwd(
         ),
         interpret=interpret,
         name="kda_chunk_intra_bwd",
-    )(q, k, g, beta, daqk, dakk)
+    )(q, k, g, beta, daqk, dakk, *(packed or ()))

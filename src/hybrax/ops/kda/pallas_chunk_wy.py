@@ -19,7 +19,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import chunk_column_spec, chunk_rows_spec, dot_settings, mm
+from hybrax.ops.kda.pallas_tiles import (
+    PackedChunks, chunk_rows_spec, chunk_windows, dot_settings, mm, packed_chunk_specs, split_packed, token_column_spec,
+    token_rows_spec,
+)
 
 
 def write_wy(
@@ -65,9 +68,10 @@ def write_wy(
     lax.fori_loop(0, v_ref.shape[1] // block_v, values_slice, 0)
 
 
-def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
-    """Out specs and shapes of w, u, kg, qg [B, T, HV, K | V] (q's dtype) and decay [B, T/C, HV, K] (fp32)."""
-    batch, length, _, dk = q.shape
+def wy_specs(chunk: int, length: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
+    """Out specs and shapes of w, u, kg, qg [B, T, HV, K | V] (q's dtype) and decay [B, T/C, HV, K] (fp32),
+    T = `length`."""
+    batch, _, _, dk = q.shape
     value_heads, dv = v.shape[2:]
     tokens = (batch, length, value_heads)
     specs = [chunk_rows_spec(chunk, width) for width in (dk, dv, dk, dk)]
@@ -77,7 +81,10 @@ def wy_specs(chunk: int, q: jax.Array, v: jax.Array) -> tuple[list, list]:
     return specs, shapes
 
 
-def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, compute_dtype, precision):
+def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *refs, packed: bool, compute_dtype, precision):
+    packed_refs, out_refs = split_packed(refs, packed)
+    chunk = g_ref.shape[0]
+    q_ref, k_ref, v_ref, beta_ref = chunk_windows((q_ref, k_ref, v_ref, beta_ref), packed_refs, chunk)
     write_wy(
         inverse_ref[...], beta_ref[...].astype(jnp.float32)[:, None], q_ref, k_ref, v_ref, g_ref, *out_refs,
         query_rows=1.0, key_rows=1.0, block_k=q_ref.shape[1], block_v=v_ref.shape[1], compute_dtype=compute_dtype,
@@ -87,25 +94,33 @@ def _wy_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, *out_refs, com
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "num_stages", "interpret"))
 def chunk_wy(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, *,
-    chunk: int = 64, num_warps: int = 4, num_stages: int = 1, interpret: bool = False,
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array,
+    packed: PackedChunks | None = None, *, chunk: int = 64, num_warps: int = 4, num_stages: int = 1,
+    interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (fp32); beta [B, T, HV]; T [B, T, HV, chunk].
 
     Returns w, kg, qg [B, T, HV, K]; u [B, T, HV, V] (the inputs' dtype); decay [B, T/chunk, HV, K] fp32.
+    With `packed`, q, k, v and beta are packed rows read in place (`chunk_intra`).
     """
     dk, dv = q.shape[3], v.shape[3]
+    length = g.shape[1]
     group = v.shape[2] // q.shape[2]
     compute_dtype, precision = dot_settings(q.dtype, interpret)
     rows = functools.partial(chunk_rows_spec, chunk)
-    out_specs, out_shape = wy_specs(chunk, q, v)
+    packed_length = None if packed is None else q.shape[1]
+    tokens = functools.partial(token_rows_spec, chunk, packed_length=packed_length)
+    out_specs, out_shape = wy_specs(chunk, length, q, v)
     return pl.pallas_call(
-        functools.partial(_wy_kernel, compute_dtype=compute_dtype, precision=precision),
-        grid=(q.shape[1] // chunk, v.shape[2], q.shape[0]),
-        in_specs=[rows(dk, group), rows(dk, group), rows(dv), rows(dk), chunk_column_spec(chunk), rows(chunk)],
+        functools.partial(_wy_kernel, packed=packed is not None, compute_dtype=compute_dtype, precision=precision),
+        grid=(length // chunk, v.shape[2], q.shape[0]),
+        in_specs=[
+            tokens(dk, group), tokens(dk, group), tokens(dv), rows(dk), token_column_spec(chunk, packed_length),
+            rows(chunk), *packed_chunk_specs(packed, length // chunk),
+        ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_chunk_wy",
-    )(q, k, v, g, beta, inverse)
+    )(q, k, v, g, beta, inverse, *(packed or ()))

@@ -5,7 +5,9 @@ The backward keeps the forward's inputs, T = (I + A_kk)^-1 and A_qk (2 x [B, T, 
 input dtype: the most expensive stage to recompute, the cheapest to keep) and recomputes the other
 chunk-local terms and the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens)
 are laid out as XLA chunked lays them out (`xla_chunked.packed_layout`: each sequence from a chunk
-boundary, tokens gathered there and back), and the state kernels restart per sequence. Not supported
+boundary), and the state kernels restart per sequence. The forward's first kernels (the gate cumsum,
+stage 1), and the backward's, read each chunk's rows of the packed inputs in place; the output and the
+inputs' gradients are gathered back to the tokens. Not supported
 (`auto` then picks XLA): K or V above 256.
 """
 
@@ -19,35 +21,45 @@ import jax.numpy as jnp
 from hybrax.core import Invocation, register, runtime_device
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
-from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, kda_chunk_fwd, kda_chunk_fwd_solved
+from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, Packing, kda_chunk_fwd, kda_chunk_fwd_solved
 from hybrax.ops.kda.pallas_chunk_state import Segments
-from hybrax.ops.kda.xla_chunked import from_packed_rows, packed_layout, to_packed_rows
+from hybrax.ops.kda.pallas_tiles import PackedChunks
+from hybrax.ops.kda.xla_chunked import Layout, from_packed_rows, packed_layout
 
 STATIC = ("scale", "l2_normalize", "chunk", "interpret")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def packing(layout: Layout, length: int, chunk: int) -> Packing:
+    """`Packing` of a packed layout of `length` tokens."""
+    rows = layout.source.reshape(layout.num_chunks, chunk)
+    start = jnp.minimum(rows[:, 0], length)
+    return Packing(layout.source, layout.destination, PackedChunks(start, jnp.sum(rows < length, axis=1)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def kda_chunk(
-    q, k, v, g, beta, initial_state, segments: Segments | None, scale: float, l2_normalize: bool, chunk: int,
-    interpret: bool,
+    q, k, v, g, beta, initial_state, segments: Segments | None, packed: Packing | None, scale: float,
+    l2_normalize: bool, chunk: int, interpret: bool,
 ):
-    """(o, final state) of KDA on [B, T, H | HV, K | V] inputs; see `kda_chunk_fwd`."""
+    """(o, final state) of KDA on [B, T, H | HV, K | V] inputs; see `kda_chunk_fwd`. With `packed`, the
+    inputs are packed rows [1, T, ...] and o comes back in the padded layout."""
     return kda_chunk_fwd(
-        q, k, v, g, beta, initial_state, segments, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
-        interpret=interpret,
+        q, k, v, g, beta, initial_state, segments, None if packed is None else packed.chunks, scale=scale,
+        l2_normalize=l2_normalize, chunk=chunk, interpret=interpret,
     )
 
 
-def _kda_chunk_fwd(q, k, v, g, beta, initial_state, segments, *static):
+def _kda_chunk_fwd(q, k, v, g, beta, initial_state, segments, packed, *static):
     inputs = (q, k, v, g, beta, initial_state, segments)
-    o, final, solved = kda_chunk_fwd_solved(*inputs, **dict(zip(STATIC, static)))
-    return (o, final), (inputs, solved)
+    chunks = None if packed is None else packed.chunks
+    o, final, solved = kda_chunk_fwd_solved(*inputs, chunks, **dict(zip(STATIC, static)))
+    return (o, final), (inputs, packed, solved)
 
 
 def _kda_chunk_bwd(*args):
-    static, ((*inputs, segments), solved), (d_out, d_final) = args[:4], args[4], args[5]
-    grads = kda_chunk_bwd(*inputs, d_out, d_final, segments, solved, **dict(zip(STATIC, static)))
-    return (*grads, None)  # segments: integer metadata, no cotangent
+    static, ((*inputs, segments), packed, solved), (d_out, d_final) = args[:4], args[4], args[5]
+    grads = kda_chunk_bwd(*inputs, d_out, d_final, segments, solved, packed, **dict(zip(STATIC, static)))
+    return (*grads, None, None)  # segments, packing: integer metadata, no cotangent
 
 
 kda_chunk.defvjp(_kda_chunk_fwd, _kda_chunk_bwd)
@@ -80,15 +92,15 @@ def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
 def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     decay = jnp.broadcast_to(problem.decay, (*problem.beta.shape, problem.q.shape[3]))
     inputs = (problem.q, problem.k, problem.v, decay, problem.beta)
-    initial_state, segments, layout = problem.initial_state, None, None
+    initial_state, segments, layout, packed = problem.initial_state, None, None, None
     if problem.cu_seqlens is not None:
         layout = packed_layout(problem.cu_seqlens, problem.q.shape[1], cfg.chunk_size)
         segments = Segments(*(x.astype(jnp.int32) for x in layout.segments))
-        inputs = tuple(to_packed_rows(x, layout) for x in inputs)
+        packed = packing(layout, problem.q.shape[1], cfg.chunk_size)
         if initial_state is None:
             initial_state = jnp.zeros(problem.state_shape, jnp.float32)
     o, final = kda_chunk(
-        *inputs, initial_state, segments, problem.scale, problem.use_qk_l2norm, cfg.chunk_size,
+        *inputs, initial_state, segments, packed, problem.scale, problem.use_qk_l2norm, cfg.chunk_size,
         runtime_device() != "gpu",
     )
     if layout is not None:  # tokens of no sequence read zeros

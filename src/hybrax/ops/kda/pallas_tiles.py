@@ -1,15 +1,19 @@
 """Register-tile helpers shared by the KDA Pallas kernels (Triton lowering).
 
 Triton tiles cannot be sliced or indexed in registers: blocks are assembled from full-tile
-operations under iota masks, and rows are read from the kernel's refs instead.
+operations under iota masks, and rows are read from the kernel's refs instead. With packed sequences
+the per-chunk kernels read their token inputs in place, through masked windows (`ChunkWindow`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
 # Triton's software pipelining of the kernels' loops over K slices and chunks (the next slice's loads
@@ -91,3 +95,83 @@ def chunk_state_spec(dk: int, dv: int) -> pl.BlockSpec:
 def index_grid(n: int) -> tuple[jax.Array, jax.Array]:
     """Row and column indices of an n x n tile."""
     return lax.broadcasted_iota(jnp.int32, (n, n), 0), lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+
+class PackedChunks(NamedTuple):
+    """Where the padded layout's chunks of packed sequences (`xla_chunked.packed_layout`: each sequence
+    from a chunk boundary) lie in the packed row, so that the per-chunk kernels read their token inputs in
+    place instead of from gathered copies: per padded chunk [NT] int32, its first token and how many of its
+    rows hold tokens of its sequence (the rest read as zeros, as padding)."""
+
+    start: jax.Array
+    count: jax.Array
+
+
+def packed_rows_spec(length: int, width: int, group: int = 1) -> pl.BlockSpec:
+    """The whole [T, width] of a [1, T, heads, width] packed array, for the program (chunk t, value head h,
+    batch 0) of a per-chunk kernel, which reads its chunk's rows through a `ChunkWindow`."""
+    return pl.BlockSpec((None, length, None, width), lambda t, h, b: (b, 0, h // group, 0))
+
+
+def packed_column_spec(length: int) -> pl.BlockSpec:
+    """The whole [T] of a [1, T, HV] packed array (beta), for a per-chunk kernel."""
+    return pl.BlockSpec((None, length, None), lambda t, h, b: (b, 0, h))
+
+
+def packed_chunk_specs(packed: PackedChunks | None, n_chunks: int) -> list[pl.BlockSpec]:
+    """`PackedChunks`' two [NT] arrays, whole, for a per-chunk kernel (none without packed rows)."""
+    return [] if packed is None else [pl.BlockSpec((n_chunks,), lambda t, h, b: (0,))] * 2
+
+
+class ChunkWindow:
+    """A chunk's [chunk, ...] rows of a whole packed ref, from row `start`, rows from `count` on read as
+    zeros (masked: nothing past the array is touched). Reads as the chunk's own block would:
+    `window[:, cols]`, `window[j, cols]`, `window[...]`."""
+
+    def __init__(self, ref, start: jax.Array, count: jax.Array, chunk: int):
+        self.ref, self.start, self.count = ref, start, count
+        self.shape = (chunk, *ref.shape[1:])
+
+    def __getitem__(self, index):
+        row, *rest = index if isinstance(index, tuple) else (index,)
+        if row is Ellipsis:
+            row, rest = slice(None), [slice(None)] * (len(self.shape) - 1)
+        if isinstance(row, slice):  # the whole chunk
+            inside = lax.broadcasted_iota(jnp.int32, self.shape[:1], 0) < self.count
+            mask = inside.reshape(self.shape[:1] + (1,) * len(rest))
+            return pltriton.load(self.ref.at[(pl.ds(self.start, self.shape[0]), *rest)], mask=mask, other=0)
+        return pltriton.load(self.ref.at[(self.start + row, *rest)], mask=row < self.count, other=0)
+
+
+def token_rows_spec(chunk: int, width: int, group: int = 1, packed_length: int | None = None) -> pl.BlockSpec:
+    """A per-chunk kernel's spec of a [B, T, heads, width] token input: the chunk's block, or with packed
+    rows (`packed_length` = T of the packed row) the whole row, read through `chunk_window`."""
+    if packed_length is None:
+        return chunk_rows_spec(chunk, width, group)
+    return packed_rows_spec(packed_length, width, group)
+
+
+def token_column_spec(chunk: int, packed_length: int | None = None) -> pl.BlockSpec:
+    """`token_rows_spec` for a [B, T, HV] token input (beta)."""
+    return chunk_column_spec(chunk) if packed_length is None else packed_column_spec(packed_length)
+
+
+def split_packed(refs: tuple, packed: bool) -> tuple[tuple | None, tuple]:
+    """(PackedChunks' two refs or None, the refs after them) of the refs that follow a per-chunk kernel's
+    regular inputs (the packed chunks' arrays come right after them)."""
+    return (refs[:2], refs[2:]) if packed else (None, refs)
+
+
+def chunk_window(ref, packed_refs, chunk: int):
+    """`ref` itself (the chunk's block) without packed sequences, else its `ChunkWindow` for this program's
+    chunk (packed_refs: the kernel's refs of `PackedChunks`)."""
+    if packed_refs is None:
+        return ref
+    t = pl.program_id(0)
+    start_ref, count_ref = packed_refs
+    return ChunkWindow(ref, start_ref[t], count_ref[t], chunk)
+
+
+def chunk_windows(refs, packed_refs, chunk: int) -> tuple:
+    """`chunk_window` of each of `refs`."""
+    return tuple(chunk_window(ref, packed_refs, chunk) for ref in refs)
