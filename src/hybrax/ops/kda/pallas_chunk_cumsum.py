@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import (
-    PackedChunks, chunk_rows_spec, chunk_window, packed_chunk_specs, split_packed, token_rows_spec,
+    PackedChunks, chunk_rows_spec, chunk_window, heads_first, packed_chunk_specs, split_packed, token_rows_spec,
 )
 from jaxtyping import Array, Float
 
@@ -25,9 +25,10 @@ def _cumsum_kernel(g_ref, *refs, reverse: bool, chunk: int):
     """Row by row in straight-line code: each thread carries its channels down (or up) the chunk, so the
     sum needs no exchange between threads, no shared memory and no barrier, and every row's load can be
     issued ahead. (A scan over the [C, K] tile went through shared memory, 32 KB per program, which held
-    an H200 SM to six programs at 3.2 TB/s.)"""
+    an H200 SM to six programs at 3.2 TB/s.) Launched heads first (`heads_first`), 2 warps: two channels
+    per thread, 64-bit loads; 4 warps took the same time to within 2% (BENCHMARKS.md)."""
     packed_refs, (out_ref,) = split_packed(refs, len(refs) == 3)
-    g = chunk_window(g_ref, packed_refs, chunk)
+    g = chunk_window(g_ref, packed_refs, chunk, chunk_axis=1)
     rows = range(chunk - 1, -1, -1) if reverse else range(chunk)
     loaded = [g[row, :].astype(jnp.float32) for row in rows]
     total = jnp.zeros_like(loaded[0])
@@ -39,20 +40,19 @@ def _cumsum_kernel(g_ref, *refs, reverse: bool, chunk: int):
 @functools.partial(jax.jit, static_argnames=("chunk", "reverse", "num_warps", "interpret"))
 def chunk_local_cumsum(
     g: Float[Array, "B T HV K"], packed: PackedChunks | None = None, *, chunk: int, reverse: bool = False,
-    num_warps: int = 4, interpret: bool = False,
+    num_warps: int = 2, interpret: bool = False,
 ) -> Float[Array, "B T HV K"]:
     """G [B, T, HV, K] fp32; T a multiple of `chunk`, K a power of two. With `packed` g holds packed
     sequences ([1, T, HV, K], any T) and G comes in the padded layout, [1, NT * chunk, HV, K]."""
     batch, length, heads, dk = g.shape
-    spec = chunk_rows_spec(chunk, dk)
     n_chunks = length // chunk if packed is None else packed.start.shape[0]
     in_specs = [token_rows_spec(chunk, dk, packed_length=None if packed is None else length),
                 *packed_chunk_specs(packed, n_chunks)]
     return pl.pallas_call(
         functools.partial(_cumsum_kernel, reverse=reverse, chunk=chunk),
-        grid=(n_chunks, heads, batch),
-        in_specs=in_specs,
-        out_specs=spec,
+        grid=(heads, n_chunks, batch),
+        in_specs=[heads_first(spec) for spec in in_specs],
+        out_specs=heads_first(chunk_rows_spec(chunk, dk)),
         out_shape=jax.ShapeDtypeStruct((batch, n_chunks * chunk, heads, dk), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
