@@ -235,7 +235,7 @@ INTRA_VARIANTS = {"k32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
                   # spilled at 4 warps), one program per SM instead of two.
                   "k32w8s3": dict(block_k=32, num_warps=8, num_stages=3),
                   "k32w8s1": dict(block_k=32, num_warps=8, num_stages=1)}
-CUMSUM_VARIANTS = {"w2": dict(num_warps=2), "w4": dict(num_warps=4), "w8": dict(num_warps=8)}
+CUMSUM_VARIANTS = {"w4": dict(num_warps=4), "w2": dict(num_warps=2), "w8": dict(num_warps=8)}
 INTRA_BWD_VARIANTS = {"k16w4s3": dict(block_k=16, num_warps=4, num_stages=3),
                       "k16w4s1": dict(block_k=16, num_warps=4, num_stages=1),
                       "k16w4s4": dict(block_k=16, num_warps=4, num_stages=4),

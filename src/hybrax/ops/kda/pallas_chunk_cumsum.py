@@ -25,8 +25,8 @@ def _cumsum_kernel(g_ref, *refs, reverse: bool, chunk: int):
     """Row by row in straight-line code: each thread carries its channels down (or up) the chunk, so the
     sum needs no exchange between threads, no shared memory and no barrier, and every row's load can be
     issued ahead. (A scan over the [C, K] tile went through shared memory, 32 KB per program, which held
-    an H200 SM to six programs at 3.2 TB/s.) Launched heads first (`heads_first`), 2 warps: two channels
-    per thread, 64-bit loads; 4 warps took the same time to within 2% (BENCHMARKS.md)."""
+    an H200 SM to six programs at 3.2 TB/s.) Launched heads first (`heads_first`); 4 warps: alone 2 warps
+    were as fast, inside the forward 4 were 0.003-0.005 ms faster at (1, 8192, 32, 128) (BENCHMARKS.md)."""
     packed_refs, (out_ref,) = split_packed(refs, len(refs) == 3)
     g = chunk_window(g_ref, packed_refs, chunk, chunk_axis=1)
     rows = range(chunk - 1, -1, -1) if reverse else range(chunk)
@@ -40,7 +40,7 @@ def _cumsum_kernel(g_ref, *refs, reverse: bool, chunk: int):
 @functools.partial(jax.jit, static_argnames=("chunk", "reverse", "num_warps", "interpret"))
 def chunk_local_cumsum(
     g: Float[Array, "B T HV K"], packed: PackedChunks | None = None, *, chunk: int, reverse: bool = False,
-    num_warps: int = 2, interpret: bool = False,
+    num_warps: int = 4, interpret: bool = False,
 ) -> Float[Array, "B T HV K"]:
     """G [B, T, HV, K] fp32; T a multiple of `chunk`, K a power of two. With `packed` g holds packed
     sequences ([1, T, HV, K], any T) and G comes in the padded layout, [1, NT * chunk, HV, K]."""
