@@ -4,7 +4,8 @@ Why: the library's step (one program per [K, BV] tile) holds every tile in regis
 store, so the bytes in flight per SM are capped by the register file; it moves the state at 80-84% of the
 copy bandwidth (BENCHMARKS.md), a loads-only kernel of the same grid at 87-92%. Here a fixed number of
 programs each walk many tiles in a loop, and both reductions over K are one dot, [16, K] x [K, BV] (row 0
-k * exp(g), row 1 q * exp(g), the rest zeros; fp32 through three tf32 passes): a load that feeds a dot in
+k * exp(g), row 1 q * exp(g), the rest zeros; fp32 through three tf32 passes, or one, the chunked kernels'
+precision for bf16 inputs, ~1e-4 relative): a load that feeds a dot in
 a loop is what Triton's software pipeliner turns into asynchronous copies into shared memory, issued
 `num_stages - 1` tiles ahead. Same math as the library step (seed 003's bounded gate, beta logits).
 
@@ -36,7 +37,7 @@ from kda_decode_gpu import (  # noqa: E402
 )
 
 from hybrax.ops.kda.pallas_decode import _log_decay, launch_params  # noqa: E402
-from hybrax.ops.kda.pallas_tiles import EXACT, FP32_INPUT_PRECISION  # noqa: E402
+from hybrax.ops.kda.pallas_tiles import BF16_INPUT_PRECISION, EXACT, FP32_INPUT_PRECISION  # noqa: E402
 from hybrax.ops.kda.xla_scan import l2_normalize  # noqa: E402
 
 SMS = 132
@@ -81,12 +82,14 @@ def _streamed_kernel(scale_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref,
 
 
 def streamed_step(inputs, state, *, per_sm: int, block_v: int, num_warps: int, num_stages: int, interpret: bool,
-                  use_dot: bool = True):
+                  use_dot: bool = True, one_pass: bool = False):
+    """`one_pass`: the dot in one tf32 pass (bf16 inputs' precision in the chunked kernels) instead of three."""
     q, k, v, g, beta, a_log, dt_bias = inputs
     batch, heads, _, dv = state.shape
     programs = min(SMS * per_sm, batch * heads * (dv // block_v))
+    precision = EXACT if interpret else BF16_INPUT_PRECISION if one_pass else FP32_INPUT_PRECISION
     kernel = functools.partial(_streamed_kernel, block_v=block_v, programs=programs, use_dot=use_dot,
-                               precision=EXACT if interpret else FP32_INPUT_PRECISION)
+                               precision=precision)
     scale = jnp.full((1,), q.shape[-1] ** -0.5, jnp.float32)
     return pl.pallas_call(
         kernel, grid=(programs,),
@@ -101,14 +104,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpret mode")
     parser.add_argument("--cases", default="64x32,256x32,1024x16,8x32", help="requests x heads")
-    # Offline ptxas for sm_90 (upstream Triton 3.6, B = 64): with the dot every launch takes 255 registers
-    # (two programs of 4 warps per SM, one of 8); bv64 w4 spills 840 bytes, bv32 w4 and bv64 w8 none or 20.
-    # A trailing x0 drops the dot (the library's reductions): the same loop without asynchronous copies.
-    parser.add_argument("--launches", default="2x32x4x3,2x32x4x4,2x32x4x2,1x64x8x3,1x64x8x4,2x64x4x3,2x32x4x3x0",
-                        help="programs per SM x block_v x num_warps x num_stages [x 0: no dot]")
+    # Offline ptxas for sm_90 (upstream Triton 3.6, B = 64): with the three-pass dot every launch takes 255
+    # registers (two programs of 4 warps per SM, one of 8); bv64 w4 spills 840 bytes, bv32 w4 none. One tf32
+    # pass ("t"): 162 registers at bv32 w4, three programs per SM. "n": no dot (the library's reductions),
+    # the same loop without asynchronous copies.
+    parser.add_argument("--launches", default="2x32x4x3,2x32x4x4,2x32x4x2,1x64x8x3,2x64x4x3,3x32x4x3t,3x32x4x4t,"
+                        "2x64x4x3t,2x32x4x3n", help="programs per SM x block_v x num_warps x num_stages [n|t]")
     args = parser.parse_args()
     cases = [(2, 2)] if args.smoke else [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    launches = [tuple(int(x) for x in c.split("x")) for c in args.launches.split(",")]
+    launches = [(tuple(int(x) for x in c.rstrip("nt").split("x")), c[-1] if c[-1] in "nt" else "")
+                for c in args.launches.split(",")]
     copy = None if args.smoke else copy_bandwidth()
     for batch, heads in cases:
         inputs, state = make_inputs(batch * 7 + heads, batch, heads, 128)
@@ -118,10 +123,10 @@ def main() -> None:
         row = {"B": batch, "H": heads}
         bytes_moved = 2 * batch * heads * 128 * 128 * 4
         for name, step in [("library", library)] + [
-            (f"s{per_sm}bv{bv}w{w}n{stages}" + ("" if dot else "nodot"), functools.partial(
+            (f"s{per_sm}bv{bv}w{w}st{stages}{kind}", functools.partial(
                 streamed_step, per_sm=per_sm, block_v=bv, num_warps=w, num_stages=stages, interpret=args.smoke,
-                use_dot=bool(dot)))
-            for per_sm, bv, w, stages, dot, *_ in [launch + (1,) for launch in launches]
+                use_dot=kind != "n", one_pass=kind == "t"))
+            for (per_sm, bv, w, stages), kind in launches
         ]:
             try:
                 o, new = step(inputs, state)
