@@ -131,7 +131,7 @@ def mosaic_step(inputs, state, *, block_v: int = 64, ctas: int = 132, stages: in
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, Mosaic GPU interpret mode")
-    parser.add_argument("--cases", default="64x32,256x32,1024x16")
+    parser.add_argument("--cases", default="64x32,256x32,1024x16,8x32")
     parser.add_argument("--configs", default="64x2x1,64x2x2,64x3x2,32x3x2,32x2x3,32x3x3",
                         help="block_v x stages x CTAs per SM")
     parser.add_argument("--swizzled", action="store_true", help="also each config with swizzled shared memory")
