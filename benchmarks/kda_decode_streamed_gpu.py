@@ -45,7 +45,7 @@ LHS_ROWS = 16  # the smallest M of a Triton dot
 
 
 def _streamed_kernel(scale_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, state_in_ref,
-                     o_ref, state_ref, *, block_v: int, programs: int, precision, use_dot: bool):
+                     o_ref, state_ref, *, block_v: int, programs: int, precision, reductions: str):
     del state_in_ref  # aliased to state_ref
     batch, heads, dk, dv = state_ref.shape
     blocks = dv // block_v
@@ -64,14 +64,16 @@ def _streamed_kernel(scale_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref,
         v = v_ref[b, 0, head, cols].astype(jnp.float32)
         decay = jnp.exp(_log_decay(g_ref[b, 0, head, :], a_log_ref[head], dt_bias_ref[head, :], LOWER_BOUND, "bounded"))
         beta = jax.nn.sigmoid(beta_ref[b, 0, head])
-        if use_dot:
+        if reductions != "elementwise":
             lhs = jnp.where(lhs_row == 0, (k * decay)[None, :], jnp.where(lhs_row == 1, (q * decay)[None, :], 0.0))
             reduced = jnp.dot(lhs, state, precision=precision, preferred_element_type=jnp.float32)
             decayed_k = jnp.sum(jnp.where(out_row == 0, reduced, 0.0), axis=0)  # S'^T k
             decayed_q = jnp.sum(jnp.where(out_row == 1, reduced, 0.0), axis=0)  # S'^T q
-        else:  # the library step's reductions
+        if reductions != "dot":  # the library step's reductions
             decayed = state * decay[:, None]
-            decayed_k, decayed_q = jnp.sum(decayed * k[:, None], axis=0), jnp.sum(decayed * q[:, None], axis=0)
+            exact_k, decayed_q = jnp.sum(decayed * k[:, None], axis=0), jnp.sum(decayed * q[:, None], axis=0)
+            # "trigger": the dot only makes Triton stream the tile through shared memory; kept alive at 0 x.
+            decayed_k = exact_k + 0.0 * decayed_k if reductions == "trigger" else exact_k
         update = beta * (v - decayed_k)
         o_ref[b, 0, head, cols] = (decayed_q + jnp.sum(k * q) * update).astype(o_ref.dtype)
         state_ref[b, head, :, cols] = state * decay[:, None] + k[:, None] * update[None, :]
@@ -82,13 +84,15 @@ def _streamed_kernel(scale_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref,
 
 
 def streamed_step(inputs, state, *, per_sm: int, block_v: int, num_warps: int, num_stages: int, interpret: bool,
-                  use_dot: bool = True, one_pass: bool = False):
-    """`one_pass`: the dot in one tf32 pass (bf16 inputs' precision in the chunked kernels) instead of three."""
+                  reductions: str = "dot", one_pass: bool = False):
+    """reductions: "dot" (both as the dot), "elementwise" (the library step's sums, no dot), "trigger" (the
+    library's sums, and a dot that only makes Triton stream the tile through shared memory). `one_pass`: the
+    dot in one tf32 pass (bf16 inputs' precision in the chunked kernels) instead of three."""
     q, k, v, g, beta, a_log, dt_bias = inputs
     batch, heads, _, dv = state.shape
     programs = min(SMS * per_sm, batch * heads * (dv // block_v))
     precision = EXACT if interpret else BF16_INPUT_PRECISION if one_pass else FP32_INPUT_PRECISION
-    kernel = functools.partial(_streamed_kernel, block_v=block_v, programs=programs, use_dot=use_dot,
+    kernel = functools.partial(_streamed_kernel, block_v=block_v, programs=programs, reductions=reductions,
                                precision=precision)
     scale = jnp.full((1,), q.shape[-1] ** -0.5, jnp.float32)
     return pl.pallas_call(
@@ -107,12 +111,14 @@ def main() -> None:
     # Offline ptxas for sm_90 (upstream Triton 3.6, B = 64): with the three-pass dot every launch takes 255
     # registers (two programs of 4 warps per SM, one of 8); bv64 w4 spills 840 bytes, bv32 w4 none. One tf32
     # pass ("t"): 162 registers at bv32 w4, three programs per SM. "n": no dot (the library's reductions),
-    # the same loop without asynchronous copies.
-    parser.add_argument("--launches", default="2x32x4x3,2x32x4x4,2x32x4x2,1x64x8x3,2x64x4x3,3x32x4x3t,3x32x4x4t,"
-                        "2x64x4x3t,2x32x4x3n", help="programs per SM x block_v x num_warps x num_stages [n|t]")
+    # the same loop without asynchronous copies; "d": the library's reductions and a one-pass dot that only
+    # streams the tile through shared memory (178 registers at bv32 w4: two programs per SM).
+    parser.add_argument("--launches", default="2x32x4x3,2x32x4x4,1x64x8x3,2x64x4x3,3x32x4x3t,3x32x4x4t,"
+                        "2x64x4x3t,2x32x4x3d,2x64x4x3d,2x32x4x3n", help="programs per SM x block_v x num_warps x "
+                        "num_stages [n: no dot | t: one-pass dot | d: dot as a trigger]")
     args = parser.parse_args()
     cases = [(2, 2)] if args.smoke else [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    launches = [(tuple(int(x) for x in c.rstrip("nt").split("x")), c[-1] if c[-1] in "nt" else "")
+    launches = [(tuple(int(x) for x in c.rstrip("ntd").split("x")), c[-1] if c[-1] in "ntd" else "")
                 for c in args.launches.split(",")]
     copy = None if args.smoke else copy_bandwidth()
     for batch, heads in cases:
@@ -125,7 +131,7 @@ def main() -> None:
         for name, step in [("library", library)] + [
             (f"s{per_sm}bv{bv}w{w}st{stages}{kind}", functools.partial(
                 streamed_step, per_sm=per_sm, block_v=bv, num_warps=w, num_stages=stages, interpret=args.smoke,
-                use_dot=kind != "n", one_pass=kind == "t"))
+                reductions={"n": "elementwise", "d": "trigger"}.get(kind, "dot"), one_pass=kind in "td"))
             for (per_sm, bv, w, stages), kind in launches
         ]:
             try:
