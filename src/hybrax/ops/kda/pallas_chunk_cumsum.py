@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import (
-    PackedChunks, chunk_rows_spec, chunk_window, heads_first, packed_chunk_specs, split_packed, token_rows_spec,
+    PackedChunks, chunk_rows_spec, chunk_window, packed_chunk_specs, split_packed, token_rows_spec,
 )
 from jaxtyping import Array, Float
 
@@ -25,10 +25,10 @@ def _cumsum_kernel(g_ref, *refs, reverse: bool, chunk: int):
     """Row by row in straight-line code: each thread carries its channels down (or up) the chunk, so the
     sum needs no exchange between threads, no shared memory and no barrier, and every row's load can be
     issued ahead. (A scan over the [C, K] tile went through shared memory, 32 KB per program, which held
-    an H200 SM to six programs at 3.2 TB/s.) Launched heads first (`heads_first`); 4 warps: alone 2 warps
+    an H200 SM to six programs at 3.2 TB/s.) Launched heads first (`pallas_tiles`); 4 warps: alone 2 warps
     were as fast, inside the forward 4 were 0.003-0.005 ms faster at (1, 8192, 32, 128) (BENCHMARKS.md)."""
     packed_refs, (out_ref,) = split_packed(refs, len(refs) == 3)
-    g = chunk_window(g_ref, packed_refs, chunk, chunk_axis=1)
+    g = chunk_window(g_ref, packed_refs, chunk)
     rows = range(chunk - 1, -1, -1) if reverse else range(chunk)
     loaded = [g[row, :].astype(jnp.float32) for row in rows]
     total = jnp.zeros_like(loaded[0])
@@ -51,8 +51,8 @@ def chunk_local_cumsum(
     return pl.pallas_call(
         functools.partial(_cumsum_kernel, reverse=reverse, chunk=chunk),
         grid=(heads, n_chunks, batch),
-        in_specs=[heads_first(spec) for spec in in_specs],
-        out_specs=heads_first(chunk_rows_spec(chunk, dk)),
+        in_specs=in_specs,
+        out_specs=chunk_rows_spec(chunk, dk),
         out_shape=jax.ShapeDtypeStruct((batch, n_chunks * chunk, heads, dk), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,

@@ -149,7 +149,7 @@ def chunk_grad(
     )
     return pl.pallas_call(
         kernel,
-        grid=(length // chunk, value_heads, batch),
+        grid=(value_heads, length // chunk, batch),
         in_specs=[
             tokens_spec(dk, group), tokens_spec(dk, group), tokens_spec(dv), rows_spec(dk),
             token_column_spec(chunk, packed_length), rows_spec(chunk), state_spec, state_spec, rows_spec(dv),

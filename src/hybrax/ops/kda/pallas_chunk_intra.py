@@ -258,7 +258,7 @@ def chunk_intra(
     squares = 2 if with_inverse else 1
     outputs = pl.pallas_call(
         kernel,
-        grid=(length // chunk, value_heads, batch),
+        grid=(value_heads, length // chunk, batch),
         in_specs=in_specs,
         out_specs=[*[rows(chunk)] * squares, *wy_out_specs],
         out_shape=[*[square] * squares, *wy_out_shape],

@@ -136,7 +136,7 @@ def chunk_intra_bwd(
     )
     return pl.pallas_call(
         kernel,
-        grid=(length // chunk, value_heads, batch),
+        grid=(value_heads, length // chunk, batch),
         in_specs=[
             token_rows_spec(chunk, dk, group, packed_length), token_rows_spec(chunk, dk, group, packed_length),
             rows_spec(dk), token_column_spec(chunk, packed_length), rows_spec(chunk), rows_spec(chunk),

@@ -75,7 +75,7 @@ def wy_specs(chunk: int, length: int, q: jax.Array, v: jax.Array) -> tuple[list,
     value_heads, dv = v.shape[2:]
     tokens = (batch, length, value_heads)
     specs = [chunk_rows_spec(chunk, width) for width in (dk, dv, dk, dk)]
-    specs.append(pl.BlockSpec((None, None, None, dk), lambda t, h, b: (b, t, h, 0)))
+    specs.append(pl.BlockSpec((None, None, None, dk), lambda h, t, b: (b, t, h, 0)))
     shapes = [jax.ShapeDtypeStruct((*tokens, width), q.dtype) for width in (dk, dv, dk, dk)]
     shapes.append(jax.ShapeDtypeStruct((batch, length // chunk, value_heads, dk), jnp.float32))
     return specs, shapes
@@ -113,7 +113,7 @@ def chunk_wy(
     out_specs, out_shape = wy_specs(chunk, length, q, v)
     return pl.pallas_call(
         functools.partial(_wy_kernel, packed=packed is not None, compute_dtype=compute_dtype, precision=precision),
-        grid=(length // chunk, v.shape[2], q.shape[0]),
+        grid=(v.shape[2], length // chunk, q.shape[0]),
         in_specs=[
             tokens(dk, group), tokens(dk, group), tokens(dv), rows(dk), token_column_spec(chunk, packed_length),
             rows(chunk), *packed_chunk_specs(packed, length // chunk),

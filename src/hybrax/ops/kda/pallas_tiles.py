@@ -3,6 +3,12 @@
 Triton tiles cannot be sliced or indexed in registers: blocks are assembled from full-tile
 operations under iota masks, and rows are read from the kernel's refs instead. With packed sequences
 the per-chunk kernels read their token inputs in place, through masked windows (`ChunkWindow`).
+
+The per-chunk kernels launch on the grid (value head, chunk, batch). Blocks start in grid order, first
+axis fastest, so the programs in flight read adjacent heads' rows of a chunk: whole [heads, width] rows
+of the [B, T, heads, width] inputs. By chunk they read one head's rows, 256- or 512-byte pieces kilobytes
+apart: the gate cumsum at (1, 32768, 16, 128) fp32 on the H200 took 0.158 ms that way, 0.139 heads first
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -77,19 +83,19 @@ def mm_tn(a: jax.Array, b: jax.Array, dtype, precision) -> jax.Array:
 
 
 def chunk_rows_spec(chunk: int, width: int, group: int = 1) -> pl.BlockSpec:
-    """One chunk's rows [chunk, width] of a [B, T, heads, width] array, for the program (chunk t, value
-    head h, batch b) of a per-chunk kernel; `group` value heads share each of the array's heads."""
-    return pl.BlockSpec((None, chunk, None, width), lambda t, h, b: (b, t, h // group, 0))
+    """One chunk's rows [chunk, width] of a [B, T, heads, width] array, for the program (value head h,
+    chunk t, batch b) of a per-chunk kernel; `group` value heads share each of the array's heads."""
+    return pl.BlockSpec((None, chunk, None, width), lambda h, t, b: (b, t, h // group, 0))
 
 
 def chunk_column_spec(chunk: int) -> pl.BlockSpec:
     """One chunk's [chunk] entries of a [B, T, HV] array (beta), for a per-chunk kernel."""
-    return pl.BlockSpec((None, chunk, None), lambda t, h, b: (b, t, h))
+    return pl.BlockSpec((None, chunk, None), lambda h, t, b: (b, t, h))
 
 
 def chunk_state_spec(dk: int, dv: int) -> pl.BlockSpec:
     """The [K, V] state of one chunk of a [B, NT, HV, K, V] array, for a per-chunk kernel."""
-    return pl.BlockSpec((None, None, None, dk, dv), lambda t, h, b: (b, t, h, 0, 0))
+    return pl.BlockSpec((None, None, None, dk, dv), lambda h, t, b: (b, t, h, 0, 0))
 
 
 def index_grid(n: int) -> tuple[jax.Array, jax.Array]:
@@ -108,29 +114,19 @@ class PackedChunks(NamedTuple):
 
 
 def packed_rows_spec(length: int, width: int, group: int = 1) -> pl.BlockSpec:
-    """The whole [T, width] of a [1, T, heads, width] packed array, for the program (chunk t, value head h,
+    """The whole [T, width] of a [1, T, heads, width] packed array, for the program (value head h, chunk t,
     batch 0) of a per-chunk kernel, which reads its chunk's rows through a `ChunkWindow`."""
-    return pl.BlockSpec((None, length, None, width), lambda t, h, b: (b, 0, h // group, 0))
+    return pl.BlockSpec((None, length, None, width), lambda h, t, b: (b, 0, h // group, 0))
 
 
 def packed_column_spec(length: int) -> pl.BlockSpec:
     """The whole [T] of a [1, T, HV] packed array (beta), for a per-chunk kernel."""
-    return pl.BlockSpec((None, length, None), lambda t, h, b: (b, 0, h))
-
-
-def heads_first(spec: pl.BlockSpec) -> pl.BlockSpec:
-    """A per-chunk kernel's `spec` for the grid (head, chunk, batch) instead of (chunk, head, batch).
-
-    Blocks launch in grid order, first axis fastest: by chunk, the programs in flight read one head's
-    rows, 512-byte pieces (K = 128 fp32) 16 KB apart; by head, they read whole adjacent rows. The
-    memory-bound gate cumsum at (1, 32768, 16, 128) fp32 on the H200: 0.158 -> 0.139 ms (BENCHMARKS.md).
-    """
-    return pl.BlockSpec(spec.block_shape, lambda h, t, b: spec.index_map(t, h, b))
+    return pl.BlockSpec((None, length, None), lambda h, t, b: (b, 0, h))
 
 
 def packed_chunk_specs(packed: PackedChunks | None, n_chunks: int) -> list[pl.BlockSpec]:
     """`PackedChunks`' two [NT] arrays, whole, for a per-chunk kernel (none without packed rows)."""
-    return [] if packed is None else [pl.BlockSpec((n_chunks,), lambda t, h, b: (0,))] * 2
+    return [] if packed is None else [pl.BlockSpec((n_chunks,), lambda h, t, b: (0,))] * 2
 
 
 class ChunkWindow:
@@ -172,12 +168,12 @@ def split_packed(refs: tuple, packed: bool) -> tuple[tuple | None, tuple]:
     return (refs[:2], refs[2:]) if packed else (None, refs)
 
 
-def chunk_window(ref, packed_refs, chunk: int, chunk_axis: int = 0):
+def chunk_window(ref, packed_refs, chunk: int):
     """`ref` itself (the chunk's block) without packed sequences, else its `ChunkWindow` for this program's
-    chunk (packed_refs: the kernel's refs of `PackedChunks`; the chunk is the grid's axis `chunk_axis`)."""
+    chunk (packed_refs: the kernel's refs of `PackedChunks`)."""
     if packed_refs is None:
         return ref
-    t = pl.program_id(chunk_axis)
+    t = pl.program_id(1)
     start_ref, count_ref = packed_refs
     return ChunkWindow(ref, start_ref[t], count_ref[t], chunk)
 
