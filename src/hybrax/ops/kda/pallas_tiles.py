@@ -7,7 +7,7 @@ the per-chunk kernels read their token inputs in place, through masked windows (
 The per-chunk kernels launch on the grid (value head, chunk, batch). Blocks start in grid order, first
 axis fastest, so the programs in flight read adjacent heads' rows of a chunk: whole [heads, width] rows
 of the [B, T, heads, width] inputs. By chunk they read one head's rows, 256- or 512-byte pieces kilobytes
-apart: the gate cumsum at (1, 32768, 16, 128) fp32 on the H200 took 0.158 ms that way, 0.139 heads first
+apart: the gate cumsum at (1, 32768, 16, 128) fp32 on the H200 took 0.158 ms that way, 0.142 heads first
 (BENCHMARKS.md).
 """
 
