@@ -9,7 +9,7 @@ import pytest
 
 from hybrax import kernel_delta_attention
 from hybrax.ops.kda import pallas_decode, reference
-from hybrax.ops.kda.pallas_decode import fused_recurrent_decode
+from hybrax.ops.kda.pallas_decode import MAX_UNROLLED_TOKENS, fused_recurrent_decode
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 
 B, H, HV, K, V = 3, 1, 2, 16, 32
@@ -52,7 +52,7 @@ def run_kernel(q, k, v, g, beta, state, gate, a_log=None, dt_bias=None, **kwargs
 
 
 @pytest.mark.parametrize("gate", ["activated", "softplus", "bounded"])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, MAX_UNROLLED_TOKENS + 2])  # the last in the kernel's fori_loop
 def test_steps_match_reference(gate, tokens):
     q, k, v, g, beta = decode_inputs(10, tokens=tokens)
     if gate == "activated":
