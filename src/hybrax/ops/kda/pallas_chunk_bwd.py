@@ -26,7 +26,7 @@ from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
 from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
-from hybrax.ops.kda.xla_chunked import take_rows
+from hybrax.ops.kda.xla_chunked import from_packed_rows
 
 
 def _per_key_head(x: jax.Array, heads: int) -> jax.Array:
@@ -84,7 +84,7 @@ def kda_chunk_bwd(
     dg = chunk_local_cumsum(dg + dg_intra, chunk=chunk, reverse=True, interpret=interpret)
 
     def rows(x):  # the padded layout -> the rows of x (packed: the tokens')
-        return x if packing is None else take_rows(x, packing.destination, packing.source)
+        return x if packing is None else from_packed_rows(x, packing)
 
     dq, dk_ = normalize_vjp(tuple(rows(_per_key_head(a + b, heads)) for a, b in ((dq, dq_intra), (dk_, dk_intra))))
     crop = lambda x, width: rows(x)[:, :length, :, :width]  # noqa: E731

@@ -28,7 +28,7 @@ cotangents back through the layout (padding, packing, GVA, l2norm) with `jax.vjp
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -249,12 +249,19 @@ def _take_rows_bwd(residuals, cotangent):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def to_packed_rows(x: jax.Array, layout: Layout) -> jax.Array:
+class GatherMaps(Protocol):
+    """The packed layout's two maps, as `Layout` and the Pallas path's `Packing` both hold them."""
+
+    destination: jax.Array | None
+    source: jax.Array | None
+
+
+def to_packed_rows(x: jax.Array, layout: GatherMaps) -> jax.Array:
     """[1, T, ...] packed tokens -> [1, Nc * C, ...], each sequence from its first chunk, zeros between."""
     return take_rows(x, layout.source, layout.destination)
 
 
-def from_packed_rows(x: jax.Array, layout: Layout) -> jax.Array:
+def from_packed_rows(x: jax.Array, layout: GatherMaps) -> jax.Array:
     """[1, Nc * C, ...] -> [1, T, ...]: each token's row; tokens of no sequence read zeros."""
     return take_rows(x, layout.destination, layout.source)
 
