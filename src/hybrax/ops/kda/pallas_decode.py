@@ -97,7 +97,8 @@ def _decode_kernel(
         state = state * along_keys(jnp.exp(decay))
         # Both reductions over K from the decayed state at once: o = S_new^T q = S'^T q + (k . q) beta e, so
         # the output's reduction does not wait for the update (one reduction's barriers per step, not two in
-        # series); k . q is a vector dot, done while the state tile is still on its way.
+        # series). k . q, a vector dot, runs where it is written, after both reductions: the lowering keeps
+        # program order and ptxas moves nothing across their barriers (offline PTX, 2026-12-04).
         error = v - jnp.sum(state * along_keys(k), axis=key_axis)
         decayed_out = jnp.sum(state * along_keys(q), axis=key_axis)
         update = beta * error
