@@ -43,7 +43,7 @@ DIM = 128
 LOWER_BOUND = -5.0
 CASES = [(1, 32), (8, 32), (64, 32), (256, 32), (1024, 16)]  # (requests, heads)
 STEPS = {1: 1000, 8: 500, 64: 200, 256: 60, 1024: 60}
-# (block_v, num_warps). The first run (2026-12-02) also timed (16, 2), (64, 8), (128, 8): never the best.
+# (block_v, num_warps[, block_k]). The first run (2026-12-02) also timed (16, 2), (64, 8), (128, 8): never the best.
 VARIANTS = [(32, 2), (32, 4), (64, 2), (64, 4)]
 # Steps per loop iteration: an XLA while loop on the GPU costs ~6 us per iteration (its predicate
 # goes back to the host), which a server's step (all layers in one program) never pays.
@@ -59,6 +59,14 @@ def make_inputs(seed: int, batch: int, heads: int, dim: int):
     dt_bias = jax.random.normal(keys[6], (heads, dim), jnp.float32)
     state = jax.random.normal(keys[7], (batch, heads, dim, dim), jnp.float32)
     return (q, k, v, g, beta, a_log, dt_bias), state
+
+
+def launch_of(variant: tuple[int, ...]) -> dict[str, int]:
+    return dict(zip(("block_v", "num_warps", "block_k"), variant))
+
+
+def variant_name(variant: tuple[int, ...]) -> str:
+    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w", "k"), variant))
 
 
 def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
@@ -117,7 +125,7 @@ def rel(a, b) -> float:
 class Fla:
     """fla's fused_recurrent_kda on the same inputs (torch tensors sharing nothing with JAX)."""
 
-    def __init__(self, inputs, state):
+    def __init__(self, inputs, state, state_v_first: bool = False):
         import torch
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -130,7 +138,7 @@ class Fla:
             fused_recurrent_kda_fwd, q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias.reshape(-1),
             initial_state=self.state, scale=q.shape[-1] ** -0.5, inplace_final_state=True,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            lower_bound=LOWER_BOUND,
+            lower_bound=LOWER_BOUND, state_v_first=state_v_first,
         )
 
     def one_step(self):
@@ -176,42 +184,51 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 4 / (do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median") * 1e-3)
 
 
-def check(batch, heads, inputs, state, fla, launch) -> dict:
-    """One step at full size: ours vs the XLA step, vs fla, and the slot-pool and V-first forms vs ours."""
-    o, new = pallas_step(inputs, state, **launch)
-    o_xla, new_xla = xla_step(inputs, state)
-    errors = {"err_o_vs_xla": rel(o, o_xla), "err_S_vs_xla": rel(new, new_xla)}
+def check(batch, heads, inputs, state, fla, launch, v_first: bool) -> dict:
+    """One step at full size: ours vs the XLA step, vs fla, and the slot-pool and other-layout forms vs ours."""
+    transpose = lambda state: jnp.swapaxes(state, 2, 3)  # noqa: E731  (V-first <-> K-first)
+    o, new = pallas_step(inputs, state, state_v_first=v_first, **launch)
+    o_xla, new_xla = xla_step(inputs, transpose(state) if v_first else state)
+    errors = {"err_o_vs_xla": rel(o, o_xla), "err_S_vs_xla": rel(transpose(new) if v_first else new, new_xla)}
     perm = jax.random.permutation(jax.random.key(batch), batch).astype(jnp.int32)
     pool = jnp.zeros_like(state).at[perm].set(state)
-    o_pool, pool = pallas_step(inputs, pool, perm, **launch)
+    o_pool, pool = pallas_step(inputs, pool, perm, state_v_first=v_first, **launch)
     errors["err_pool"] = max(rel(o_pool, o), rel(pool[perm], new))
-    o_vk, new_vk = pallas_step(inputs, jnp.swapaxes(state, 2, 3), state_v_first=True, **launch)
-    errors["err_vfirst"] = max(rel(o_vk, o), rel(jnp.swapaxes(new_vk, 2, 3), new))
+    o_other, new_other = pallas_step(inputs, transpose(state), state_v_first=not v_first, **launch)
+    errors["err_other_layout"] = max(rel(o_other, o), rel(transpose(new_other), new))
     if fla is not None:
         o_fla, new_fla = fla.one_step()
         errors["err_o_vs_fla"], errors["err_S_vs_fla"] = rel(o, o_fla), rel(new, new_fla)
     return errors
 
 
-def bench_case(batch: int, heads: int, steps: int, with_fla: bool, variants, interpret: bool, extras: bool) -> dict:
+def bench_case(
+    batch: int, heads: int, steps: int, with_fla: bool, variants, interpret: bool, extras: bool, v_first: bool,
+) -> dict:
+    """One (B, H): the check, then every launch in `variants` with the state in the chosen layout (fla too),
+    the stream floor, and with `extras` the pool by slot and the XLA step (K-first only)."""
     inputs, state = make_inputs(batch * 7 + heads, batch, heads, DIM)
-    fla = Fla(inputs, state) if with_fla else None
-    row = {"B": batch, "H": heads}
-    row.update(check(batch, heads, inputs, state, fla, {"block_v": 32, "num_warps": 4, "interpret": interpret}))
+    if v_first:
+        state = jnp.swapaxes(state, 2, 3)
+    fla = Fla(inputs, state, state_v_first=v_first) if with_fla else None
+    row = {"B": batch, "H": heads, "layout": "V-first" if v_first else "K-first"}
+    check_launch = {"block_v": 32, "num_warps": 4, "interpret": interpret}
+    row.update(check(batch, heads, inputs, state, fla, check_launch, v_first))
     timings = {}
-    for block_v, num_warps in variants:
-        step = functools.partial(pallas_step, block_v=block_v, num_warps=num_warps, interpret=interpret)
-        timings[(block_v, num_warps)], state = time_loop(decode_loop(step, steps), state, inputs, steps)
-    (block_v, num_warps), best = min(timings.items(), key=lambda item: item[1])
+    for variant in variants:
+        step = functools.partial(pallas_step, state_v_first=v_first, interpret=interpret, **launch_of(variant))
+        timings[variant], state = time_loop(decode_loop(step, steps), state, inputs, steps)
+    variant, best = min(timings.items(), key=lambda item: item[1])
     stream_seconds, state = time_loop(decode_loop(stream_step, steps), state, inputs, steps)
     row["stream_us"] = stream_seconds * 1e6
-    row["sweep_us"] = {f"bv{bv}w{w}": round(t * 1e6, 2) for (bv, w), t in timings.items()}
-    row["ours_us"], row["cfg"] = best * 1e6, f"bv{block_v}w{num_warps}"
-    launch = {"block_v": block_v, "num_warps": num_warps, "interpret": interpret}
+    row["sweep_us"] = {variant_name(variant): round(t * 1e6, 2) for variant, t in timings.items()}
+    row["ours_us"], row["cfg"] = best * 1e6, variant_name(variant)
+    launch = {"state_v_first": v_first, "interpret": interpret, **launch_of(variant)}
     slots = jax.random.permutation(jax.random.key(1), batch).astype(jnp.int32)
     pool_step = functools.partial(pallas_step, slots=slots, **launch)
-    vfirst_step = functools.partial(pallas_step, state_v_first=True, **launch)
-    others = (("pool_us", pool_step), ("vfirst_us", vfirst_step), ("xla_us", xla_step)) if extras else ()
+    vfirst_step = functools.partial(pallas_step, **{**launch, "state_v_first": True})
+    others = (("pool_us", pool_step),) + ((("vfirst_us", vfirst_step), ("xla_us", xla_step)) if not v_first else ())
+    others = others if extras else ()
     for name, step in others:
         seconds, state = time_loop(decode_loop(step, steps), state, inputs, steps)
         row[name] = seconds * 1e6
@@ -229,7 +246,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpret mode, no fla")
     parser.add_argument("--batches", help="which request counts of CASES to run, e.g. 64,256 (default: all)")
-    parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 (default: VARIANTS)")
+    parser.add_argument("--configs", help="block_v x num_warps [x block_k] to time, e.g. 32x2,64x4,64x8x32 "
+                        "(default: VARIANTS)")
+    parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
     parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")
     parser.add_argument("--cases", help="requests x heads to run instead of CASES, e.g. 7x32,8x32 (a program wave "
@@ -250,7 +269,7 @@ def main() -> None:
     copy = copy_bandwidth() if not args.smoke else float("nan")
     rows = []
     for batch, heads in cases:
-        row = bench_case(batch, heads, steps[batch], with_fla, variants, args.smoke, not args.no_extras)
+        row = bench_case(batch, heads, steps[batch], with_fla, variants, args.smoke, not args.no_extras, args.v_first)
         bandwidth = row["state_bytes"] / (row["ours_us"] * 1e-6)
         row.update({"TB/s": round(bandwidth / 1e12, 2), "%copy": round(100 * bandwidth / copy, 1)})
         if with_fla and "fla_graph_us" in row:
@@ -268,8 +287,9 @@ def main() -> None:
                 row[key] = round(row[key], 2)
         row["max_err"] = f"{max(v for k, v in row.items() if k.startswith('err')):.1e}"
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
-    print_table(rows, ["B", "H", "cfg", "ours_us", "TB/s", "%copy", "stream_us", "pool_us", "vfirst_us", "xla_us",
-                       "fla_eager_us", "fla_graph_us", "fla_graph_TB/s", "x_fla_eager", "x_fla_graph", "max_err"])
+    print_table(rows, ["B", "H", "layout", "cfg", "ours_us", "TB/s", "%copy", "stream_us", "pool_us", "vfirst_us",
+                       "xla_us", "fla_eager_us", "fla_graph_us", "fla_graph_TB/s", "x_fla_eager", "x_fla_graph",
+                       "max_err"])
 
 
 if __name__ == "__main__":

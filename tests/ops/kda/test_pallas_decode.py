@@ -90,6 +90,21 @@ def test_chained_steps_equal_one_sequence():
     assert_close((jnp.concatenate(outputs, axis=1), state), (ref_o, ref_state), TOLERANCE[jnp.float32])
 
 
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("gate_width", [K, 1])
+def test_key_blocks_match_reference(v_first, gate_width):
+    """block_k < K: the kernel holds the state tile and every vector over K as blocks of 8 keys (a per-head
+    gate stands for every block; dt_bias is per key either way)."""
+    q, k, v, g, beta = decode_inputs(70, tokens=3, gate_width=gate_width)
+    a_log, dt_bias = gate_params(71)
+    states = normal(72, (B, HV, K, V))
+    state = jnp.swapaxes(states, 2, 3) if v_first else states
+    o, new_state = run_kernel(q, k, v, g, beta, state, "bounded", a_log, dt_bias, state_v_first=v_first, block_k=8)
+    new_state = jnp.swapaxes(new_state, 2, 3) if v_first else new_state
+    ref = reference_steps(q, k, v, g, beta, states, "bounded", a_log, dt_bias)
+    assert_close((o, new_state), ref, TOLERANCE[jnp.float32])
+
+
 def as_pool(states, slots, num_slots, seed, v_first=False):
     """A pool of random rows with states[b] at slots[b] (V-first: [slots, HV, V, K])."""
     pool = np.array(normal(seed, (num_slots, HV, K, V)))

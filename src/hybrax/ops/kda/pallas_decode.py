@@ -23,6 +23,7 @@ nowhere else.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import jax
@@ -34,7 +35,7 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, register
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.xla_scan import kda_single_step, l2_normalize
+from hybrax.ops.kda.xla_scan import inverse_l2_norm, kda_single_step
 
 GATES = ("activated", "softplus", "bounded")
 MAX_UNROLLED_TOKENS = 8
@@ -56,65 +57,90 @@ def _log_decay(raw, a_log, dt_bias, lower_bound, gate: str):
 def _decode_kernel(
     scalars_ref, slots_ref, token_slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
     state_in_ref, o_ref, state_ref, *, gate: str, beta_is_logits: bool, use_qk_l2norm: bool, v_first: bool,
-    block_v: int, group: int,
+    block_v: int, block_k: int, group: int,
 ):
     del state_in_ref  # aliased to state_ref: read and written through it
     j, head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tokens = v_ref.shape[1]
     cols = pl.ds(j * block_v, block_v)
+    # The state tile and every vector over K are held as blocks of block_k keys. Triton lays each loaded block
+    # out by itself: for a V-first [BV, block_k] block with block_k < 128, fewer threads share a row, so the
+    # reductions over K add more in each thread and shuffle less (the blocks are summed before reducing).
+    key_blocks = [pl.ds(start, block_k) for start in range(0, q_ref.shape[-1], block_k)]
     scale, lower_bound = scalars_ref[0], scalars_ref[1]
     slot = b if slots_ref is None else slots_ref[b]
     key_axis = 1 if v_first else 0
 
-    def along_keys(x):  # [K] -> broadcastable over the tile's key axis
+    def along_keys(x):  # [block_k] -> broadcastable over a block's key axis
         return x[None, :] if v_first else x[:, None]
 
-    def along_values(x):  # [BV] -> broadcastable over the tile's value axis
+    def along_values(x):  # [BV] -> broadcastable over a block's value axis
         return x[:, None] if v_first else x[None, :]
 
-    def tile(row):  # the program's view of one state row: [BV, K] V-first, [K, BV] K-first
-        return state_ref.at[row, head, cols, :] if v_first else state_ref.at[row, head, :, cols]
+    def tile(row, keys):  # one key block of the program's view of a state row: [BV, block_k] V-first, else transposed
+        return state_ref.at[row, head, cols, keys] if v_first else state_ref.at[row, head, keys, cols]
+
+    def load_state(row):
+        return [tile(row, keys)[...] for keys in key_blocks]
+
+    def store_state(row, state):
+        for keys, block in zip(key_blocks, state):
+            tile(row, keys)[...] = block
+
+    def reduce_keys(state, x):  # S^T x: [BV], the blocks' products summed before the one reduction over keys
+        return jnp.sum(_total(block * along_keys(part) for block, part in zip(state, x)), axis=key_axis)
+
+    def gate_blocks(t):  # the raw gate per key block; a per-head gate [1] stands for every block
+        if g_ref.shape[-1] == 1:
+            return [g_ref[b, t, head, :]] * len(key_blocks)
+        return [g_ref[b, t, head, keys] for keys in key_blocks]
 
     def token_inputs(t):
-        """Token t's q, k, v, raw gate and beta in fp32. Loaded before any arithmetic: ptxas moves no load
-        across the barriers of the reductions over K, so each load issued after one waited out a whole
-        memory round trip of its own (four of them per step)."""
-        return tuple(x.astype(jnp.float32) for x in (
-            q_ref[b, t, head // group, :], k_ref[b, t, head // group, :], v_ref[b, t, head, cols],
-            g_ref[b, t, head, :], beta_ref[b, t, head],
-        ))
+        """Token t's q, k (lists of key blocks), v, raw gate (key blocks) and beta in fp32. Loaded before any
+        arithmetic: ptxas moves no load across the barriers of the reductions over K, so each load issued
+        after one waited out a whole memory round trip of its own (four of them per step)."""
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        return (
+            [f32(q_ref[b, t, head // group, keys]) for keys in key_blocks],
+            [f32(k_ref[b, t, head // group, keys]) for keys in key_blocks],
+            f32(v_ref[b, t, head, cols]), [f32(raw) for raw in gate_blocks(t)], f32(beta_ref[b, t, head]),
+        )
 
     a_log = None if a_log_ref is None else a_log_ref[head].astype(jnp.float32)
-    dt_bias = None if dt_bias_ref is None else dt_bias_ref[head, :].astype(jnp.float32)
+    dt_bias = [None] * len(key_blocks)
+    if dt_bias_ref is not None:
+        dt_bias = [dt_bias_ref[head, keys].astype(jnp.float32) for keys in key_blocks]
 
     def token_step(t, state, inputs=None):
         q, k, v, raw_gate, beta = token_inputs(t) if inputs is None else inputs
         if use_qk_l2norm:
-            q, k = l2_normalize(q), l2_normalize(k)
-        decay = _log_decay(raw_gate, a_log, dt_bias, lower_bound, gate)
+            q, k = _l2_normalize_blocks(q), _l2_normalize_blocks(k)
         beta = jax.nn.sigmoid(beta) if beta_is_logits else beta
-        q = q * scale
-        state = state * along_keys(jnp.exp(decay))
+        q = [part * scale for part in q]
+        state = [
+            block * along_keys(jnp.exp(_log_decay(raw, a_log, bias, lower_bound, gate)))
+            for block, raw, bias in zip(state, raw_gate, dt_bias)
+        ]
         # Both reductions over K from the decayed state at once: o = S_new^T q = S'^T q + (k . q) beta e, so
         # the output's reduction does not wait for the update (one reduction's barriers per step, not two in
         # series). k . q, a vector dot, runs where it is written, after both reductions: the lowering keeps
         # program order and ptxas moves nothing across their barriers (offline PTX, 2026-12-04).
-        error = v - jnp.sum(state * along_keys(k), axis=key_axis)
-        decayed_out = jnp.sum(state * along_keys(q), axis=key_axis)
+        error = v - reduce_keys(state, k)
+        decayed_out = reduce_keys(state, q)
         update = beta * error
-        state = state + along_keys(k) * along_values(update)
-        o_ref[b, t, head, cols] = (decayed_out + jnp.sum(k * q) * update).astype(o_ref.dtype)
+        state = [block + along_keys(part) * along_values(update) for block, part in zip(state, k)]
+        o_ref[b, t, head, cols] = (decayed_out + _dot_blocks(k, q) * update).astype(o_ref.dtype)
         if token_slots_ref is not None:
             target = token_slots_ref[b, t]
 
             @pl.when(target >= 0)
             def _():
-                tile(target)[...] = state
+                store_state(target, state)
 
         return state
 
     def advance():
-        state = tile(slot)[...]
+        state = load_state(slot)
         if tokens <= MAX_UNROLLED_TOKENS:  # straight-line code for decode and short speculation
             inputs = [token_inputs(t) for t in range(tokens)]
             for t in range(tokens):
@@ -122,7 +148,7 @@ def _decode_kernel(
         else:
             state = lax.fori_loop(0, tokens, token_step, state)
         if token_slots_ref is None:
-            tile(slot)[...] = state
+            store_state(slot, state)
 
     if slots_ref is None:  # every request owns its row: nothing to skip
         advance()
@@ -136,10 +162,24 @@ def _decode_kernel(
             o_ref[b, t, head, cols] = jnp.zeros((block_v,), o_ref.dtype)
 
 
+def _total(terms) -> jax.Array:  # sum() would start from a 0 that the lowering keeps as one more add
+    return functools.reduce(operator.add, terms)
+
+
+def _dot_blocks(x: list[jax.Array], y: list[jax.Array]) -> jax.Array:
+    return _total(jnp.sum(a * b) for a, b in zip(x, y))
+
+
+def _l2_normalize_blocks(x: list[jax.Array]) -> list[jax.Array]:
+    inverse_norm = inverse_l2_norm(_dot_blocks(x, x))
+    return [part * inverse_norm for part in x]
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "gate", "beta_is_logits", "use_qk_l2norm", "state_v_first", "block_v", "num_warps", "num_stages", "interpret",
+        "gate", "beta_is_logits", "use_qk_l2norm", "state_v_first", "block_v", "block_k", "num_warps", "num_stages",
+        "interpret",
     ),
 )
 def fused_recurrent_decode(
@@ -161,6 +201,7 @@ def fused_recurrent_decode(
     use_qk_l2norm: bool = True,
     state_v_first: bool = False,
     block_v: int = 32,
+    block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,
@@ -170,20 +211,22 @@ def fused_recurrent_decode(
     g [B, T, HV, K] (or [B, T, HV, 1]: one decay per head) is raw for the fused gates, the log decay
     for `gate="activated"`; scale and lower_bound are numbers or one-element arrays. Without `slots`
     the state is [B, HV, K, V] (request b owns row b); with them it is a pool (see the module doc).
-    K, V and block_v must be powers of two, block_v <= V; slots must be distinct among valid rows.
+    K, V, block_v and block_k must be powers of two; block_k (default K) splits the state's key axis into
+    blocks that the kernel holds apart (see `_decode_kernel`). Slots must be distinct among valid rows.
     The state is updated in place when the caller donates it (or carries it through a loop).
     """
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     batch, tokens, value_heads, dv = v.shape
     block_v = min(block_v, dv)
+    block_k = q.shape[-1] if block_k is None else min(block_k, q.shape[-1])
     scalars = jnp.stack([
         jnp.asarray(scale, jnp.float32).reshape(()),
         jnp.asarray(0.0 if lower_bound is None else lower_bound, jnp.float32).reshape(()),
     ])
     kernel = functools.partial(
         _decode_kernel, gate=gate, beta_is_logits=beta_is_logits, use_qk_l2norm=use_qk_l2norm,
-        v_first=state_v_first, block_v=block_v, group=value_heads // q.shape[2],
+        v_first=state_v_first, block_v=block_v, block_k=block_k, group=value_heads // q.shape[2],
     )
     arrays = (scalars, slots, token_slots, q, k, v, g, beta, a_log, dt_bias, state)
     state_index = len(jax.tree.leaves(arrays)) - 1  # aliases count array leaves; the None slots hold none
