@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybrax.ops.kda import reference
-from hybrax.serving import kda_decode_pool, kda_prefill_pool
+from hybrax.serving import KdaDecodePoolConfig, kda_decode_pool, kda_prefill_pool
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 
 H, HV, K, V = 1, 2, 16, 32
@@ -82,15 +82,19 @@ def test_decode_by_slot(platform, gate, v_first):
     np.testing.assert_array_equal(after[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
-def test_speculative_tokens_keep_their_states(platform):
+@pytest.mark.parametrize("platform, cfg", [
+    ("xla", None), ("pallas", None), ("pallas", KdaDecodePoolConfig(block_v=16, num_warps=2, block_k=8)),
+])
+def test_speculative_tokens_keep_their_states(platform, cfg):
+    """The state after each token lands in its token slot (also through a key-blocked Pallas launch)."""
     slots = np.array([1, -1, 3], np.int32)
     token_slots = np.array([[1, 2], [5, 5], [-1, 4]], np.int32)  # the padded row's 5 is never written
     inputs = step_inputs(20, 3, 2)
     kwargs = gate_kwargs(21, "bounded")
     states = normal(22, (3, HV, K, V))
     pool = pool_with(np.asarray(states), slots, 23)
-    o, new_pool = decode(inputs, pool, slots, "bounded", kwargs, platform, token_slots=jnp.asarray(token_slots))
+    o, new_pool = decode(inputs, pool, slots, "bounded", kwargs, platform, token_slots=jnp.asarray(token_slots),
+                         cfg=cfg)
     new_pool = np.asarray(new_pool)
     for row in (0, 2):
         for t in range(2):

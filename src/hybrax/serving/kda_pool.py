@@ -36,10 +36,12 @@ GATES = pallas_decode.GATES
 
 @dataclasses.dataclass(frozen=True)
 class KdaDecodePoolConfig(KernelConfig):
-    """Speed knobs of the Pallas kernel: value columns per program and warps per program."""
+    """Speed knobs of the Pallas kernel: value columns per program, warps per program, and the keys per block
+    that the kernel holds the state tile in (None: all of K; see `pallas_decode.fused_recurrent_decode`)."""
 
     block_v: int = 32
     num_warps: int = 4
+    block_k: int | None = None
 
 
 @problem_dataclass
@@ -72,7 +74,9 @@ def check_gate(gate: str, g: Any, a_log: Any, dt_bias: Any, lower_bound: Any, he
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     if gate == "activated":
         if a_log is not None or dt_bias is not None or lower_bound is not None:
-            raise ValueError('a_log, dt_bias and lower_bound belong to the fused gates: use gate="softplus" or "bounded"')
+            raise ValueError(
+                'a_log, dt_bias and lower_bound belong to the fused gates: use gate="softplus" or "bounded"'
+            )
     else:
         if a_log is None:
             raise ValueError(f'gate="{gate}" needs a_log [num_value_heads] = [{heads}], got None')
@@ -111,7 +115,8 @@ class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
         check_shape("beta", beta, (batch, length, value_heads), "[batch, tokens, num_value_heads]")
         check_gate(gate, g, a_log, dt_bias, lower_bound, value_heads, dk)
         row = (value_heads, dv, dk) if state_v_first else (value_heads, dk, dv)
-        layout = "[num_slots, num_value_heads, " + ("v_head_dim, head_dim]" if state_v_first else "head_dim, v_head_dim]")
+        minor = "v_head_dim, head_dim]" if state_v_first else "head_dim, v_head_dim]"
+        layout = "[num_slots, num_value_heads, " + minor
         check_shape("pool", pool, (None, *row), layout)
         if jnp.result_type(pool) != jnp.float32:
             raise ValueError(f"pool must be float32 (the recurrent state), got {jnp.result_type(pool)}")
@@ -198,8 +203,11 @@ def _pallas_heuristic(inv: Invocation) -> KdaDecodePoolConfig:
 
 
 def _pallas_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
-    dv = inv.arrays["v"].shape[3]
-    return [KdaDecodePoolConfig(block_v=bv, num_warps=w) for bv, w in pallas_decode.LAUNCH_CANDIDATES if bv <= dv]
+    dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
+    return [
+        KdaDecodePoolConfig(block_v=bv, num_warps=w, block_k=bk)
+        for bv, w, bk in pallas_decode.LAUNCH_CANDIDATES if bv <= dv and (bk is None or bk < dk)
+    ]
 
 
 @register(OP_ID, "pallas", "fused_recurrent", priority=20, devices=("gpu",), supports=_pallas_supports,
@@ -209,7 +217,7 @@ def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tu
         problem.q, problem.k, problem.v, problem.g, problem.beta, problem.pool, problem.slots, problem.token_slots,
         problem.a_log, problem.dt_bias, scale=problem.scale, lower_bound=problem.lower_bound, gate=problem.gate,
         beta_is_logits=problem.beta_is_logits, use_qk_l2norm=problem.use_qk_l2norm,
-        state_v_first=problem.state_v_first, block_v=cfg.block_v, num_warps=cfg.num_warps,
+        state_v_first=problem.state_v_first, block_v=cfg.block_v, block_k=cfg.block_k, num_warps=cfg.num_warps,
         interpret=pallas_decode.interpret_here(),
     )
 

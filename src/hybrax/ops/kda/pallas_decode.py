@@ -252,8 +252,13 @@ def tile_reason(dk: int, dv: int) -> str | None:
     return None
 
 
-# (block_v, num_warps) pairs worth timing; the autotuner of `kda_decode_pool` tries them.
-LAUNCH_CANDIDATES = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8))
+# (block_v, num_warps, block_k) launches worth timing (block_k None: all of K); the autotuner of
+# `kda_decode_pool` tries those that fit the head sizes. The key-blocked ones take fewer registers and
+# barriers in the offline PTX (B = 64, bv64 w8 bk32: 80 registers, 7 barriers; bv64 w4: 128, 22).
+LAUNCH_CANDIDATES = (
+    (32, 2, None), (32, 4, None), (64, 2, None), (64, 4, None), (64, 8, None),
+    (32, 2, 32), (32, 4, 32), (64, 4, 32), (64, 8, 32),
+)
 # From this many programs of 64 value columns up, 64 columns stream the state faster; below, 32 columns
 # fill the GPU better (H200, 132 SMs, H = 32, K = V = 128, µs per step with 32 / 64 columns: B = 1
 # 11.2 / 16.0 (2026-12-02), B = 8 8.40 / 9.27, B = 64 81.8 / 81.5-82.4, B = 256 318 / 316, B = 1024 at
