@@ -6,6 +6,8 @@ jax.nn.dot_product_attention (XLA, and cuDNN for bf16). Causal, B=1, H=8, D=64; 
 
 from __future__ import annotations
 
+import functools
+
 import pathlib
 import sys
 
@@ -25,8 +27,9 @@ def _timed(name, forward, args, cotangent, want):
     fwd = jax.jit(forward)
     fwd_bwd = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32) * cotangent), argnums=(0, 1, 2)))
     error = relative_error(np.asarray(fwd(*args), np.float32), want) if want is not None else float("nan")
-    return {"implementation": name, "fwd ms": f"{median_ms(lambda: fwd(*args), repeats=10, warmup=2):.3f}",
-            "fwd+bwd ms": f"{median_ms(lambda: fwd_bwd(*args), repeats=10, warmup=2):.3f}", "rel. error": f"{error:.1e}"}
+    timed = functools.partial(median_ms, repeats=10, warmup=2)
+    return {"implementation": name, "fwd ms": f"{timed(lambda: fwd(*args)):.3f}",
+            "fwd+bwd ms": f"{timed(lambda: fwd_bwd(*args)):.3f}", "rel. error": f"{error:.1e}"}
 
 
 def main() -> None:
@@ -36,10 +39,13 @@ def main() -> None:
         keys = jax.random.split(jax.random.key(0), 4)
         q, k, v = (jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys[:3])
         cotangent = jax.random.normal(keys[3], shape, jnp.float32)
-        want = reference.attention(*(np.asarray(x, np.float32) for x in (q, k, v)), causal=True) if seq_len <= 2048 else None
+        want = None
+        if seq_len <= 2048:
+            want = reference.attention(*(np.asarray(x, np.float32) for x in (q, k, v)), causal=True)
         rows = []
         impls = [("direct", AttentionConfig("xla", "direct"))] if seq_len <= 2048 else []
-        impls += [(f"blockwise {b}x{b}", AttentionConfig("xla", "blockwise", block_q=b, block_k=b)) for b in (256, 512, 1024)]
+        impls += [(f"blockwise {b}x{b}", AttentionConfig("xla", "blockwise", block_q=b, block_k=b))
+                  for b in (256, 512, 1024)]
         for name, cfg in impls:
             rows.append(_timed(f"ours xla:{name}", lambda q, k, v, cfg=cfg: attention(q, k, v, causal=True, cfg=cfg),
                                (q, k, v), cotangent, want))

@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def median_ms(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of `fn()` in ms, blocking on its result (CPU timing; GPU uses events)."""
+    """Median wall time of `fn()` in ms, blocking on its result (CPU timing; GPU uses events). hybrax.demo
+    has its own: this module also runs in the ejkernel environment, where hybrax is not installed."""
     import jax
 
     for _ in range(warmup):

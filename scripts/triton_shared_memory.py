@@ -62,7 +62,8 @@ for name, stages, warps, path in json.load(sys.stdin):
                             capture_output=True, text=True).stderr
     number = lambda pattern: int(re.search(pattern, report).group(1))
     usage.append(dict(shared=kernel.metadata.shared, registers=number(r"Used (\\d+) registers"),
-                      spill_stores=number(r"(\\d+) bytes spill stores"), spill_loads=number(r"(\\d+) bytes spill loads")))
+                      spill_stores=number(r"(\\d+) bytes spill stores"),
+                      spill_loads=number(r"(\\d+) bytes spill loads")))
 print(json.dumps(usage))
 """
 
@@ -177,8 +178,9 @@ def main() -> None:
     for (name, stages, warps, _), usage in zip(calls, json.loads(compiled.stdout)):
         over = "  OVER the H200's limit" if usage["shared"] > H200_SHARED_MEMORY else ""
         resident = programs_per_sm(usage["shared"], usage["registers"], warps)
-        print(f"{name:26s} stages {stages}  warps {warps}  shared {usage['shared']:7d}  registers {usage['registers']:3d}"
-              f"  spills {usage['spill_stores']:4d}/{usage['spill_loads']:4d}  per SM {resident:2d}{over}")
+        print(f"{name:26s} stages {stages}  warps {warps}  shared {usage['shared']:7d}"
+              f"  registers {usage['registers']:3d}  spills {usage['spill_stores']:4d}/{usage['spill_loads']:4d}"
+              f"  per SM {resident:2d}{over}")
 
 
 if __name__ == "__main__":
