@@ -183,3 +183,10 @@ def test_single_token_path_of_kernel_delta_attention():
 def test_unsupported_head_sizes_are_declined():
     assert pallas_decode.tile_reason(100, 128) is not None
     assert pallas_decode.tile_reason(128, 128) is None
+
+
+@pytest.mark.parametrize("launch", [{"block_v": 24}, {"block_k": 12}, {"block_k": 0}])
+def test_launch_blocks_must_be_powers_of_two(launch):
+    q, k, v, g, beta = decode_inputs(80)
+    with pytest.raises(ValueError, match=f"{next(iter(launch))} must be a power of two"):
+        fused_recurrent_decode(q, k, v, g, beta, normal(81, (B, HV, K, V)), scale=1.0, interpret=True, **launch)

@@ -218,8 +218,14 @@ def fused_recurrent_decode(
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     batch, tokens, value_heads, dv = v.shape
+    reason = tile_reason(q.shape[-1], dv)
+    if reason:
+        raise ValueError(f"fused_recurrent_decode {reason}")
     block_v = min(block_v, dv)
     block_k = q.shape[-1] if block_k is None else min(block_k, q.shape[-1])
+    for name, block in (("block_v", block_v), ("block_k", block_k)):
+        if block < 1 or block & (block - 1):  # with the head sizes powers of two, a power of two divides them
+            raise ValueError(f"{name} must be a power of two, got {block}")
     scalars = jnp.stack([
         jnp.asarray(scale, jnp.float32).reshape(()),
         jnp.asarray(0.0 if lower_bound is None else lower_bound, jnp.float32).reshape(()),
@@ -248,7 +254,7 @@ def _is_tile_size(n: int) -> bool:
 def tile_reason(dk: int, dv: int) -> str | None:
     """Why the kernel cannot take these head sizes (Triton tiles are powers of two), or None."""
     if not (_is_tile_size(dk) and _is_tile_size(dv)) or dk > 256:
-        return f"needs K and V powers of two in [16, 256] (Triton tiles), got K={dk}, V={dv}"
+        return f"needs K a power of two in [16, 256] and V one of at least 16 (Triton tiles), got K={dk}, V={dv}"
     return None
 
 
