@@ -64,8 +64,9 @@ def _decode_kernel(
     tokens = v_ref.shape[1]
     cols = pl.ds(j * block_v, block_v)
     # The state tile and every vector over K are held as blocks of block_k keys. Triton lays each loaded block
-    # out by itself: for a V-first [BV, block_k] block with block_k < 128, fewer threads share a row, so the
-    # reductions over K add more in each thread and shuffle less (the blocks are summed before reducing).
+    # out by itself, so with block_k < K fewer threads (V-first) or warps (K-first) share a key row: the
+    # reductions over K add more within each thread and shuffle and synchronize less, the blocks summed before
+    # the one reduction (offline PTX at B = 64: `LAUNCH_CANDIDATES`).
     key_blocks = [pl.ds(start, block_k) for start in range(0, q_ref.shape[-1], block_k)]
     scale, lower_bound = scalars_ref[0], scalars_ref[1]
     slot = b if slots_ref is None else slots_ref[b]
@@ -259,8 +260,9 @@ def tile_reason(dk: int, dv: int) -> str | None:
 
 
 # (block_v, num_warps, block_k) launches worth timing (block_k None: all of K); the autotuner of
-# `kda_decode_pool` tries those that fit the head sizes. The key-blocked ones take fewer registers and
-# barriers in the offline PTX (B = 64, bv64 w8 bk32: 80 registers, 7 barriers; bv64 w4: 128, 22).
+# `kda_decode_pool` tries those that fit the head sizes. Key blocks cut registers and barriers in the
+# offline PTX (sm_90a, B = 64, registers / barriers): K-first bv64 w4 128 / 22, bv64 w8 bk32 80 / 7;
+# V-first bv64 w4 168 / 16, bv64 w8 bk32 99 / 1. Untimed on a GPU so far: launch_params keeps all of K.
 LAUNCH_CANDIDATES = (
     (32, 2, None), (32, 4, None), (64, 2, None), (64, 4, None), (64, 8, None),
     (32, 2, 32), (32, 4, 32), (64, 4, 32), (64, 8, 32),
