@@ -214,10 +214,15 @@ def bench_case(
     row = {"B": batch, "H": heads, "layout": "V-first" if v_first else "K-first"}
     check_launch = {"block_v": 32, "num_warps": 4, "interpret": interpret}
     row.update(check(batch, heads, inputs, state, fla, check_launch, v_first))
-    timings = {}
+    timings, failed = {}, {}
     for variant in variants:
         step = functools.partial(pallas_step, state_v_first=v_first, interpret=interpret, **launch_of(variant))
-        timings[variant], state = time_loop(decode_loop(step, steps), state, inputs, steps)
+        try:
+            timings[variant], state = time_loop(decode_loop(step, steps), state, inputs, steps)
+        except Exception as exc:  # a launch that does not compile must not cost the sweep its other launches
+            failed[variant_name(variant)] = f"{type(exc).__name__}: {exc}"[:200]
+    if failed:
+        row["failed"] = failed
     variant, best = min(timings.items(), key=lambda item: item[1])
     stream_seconds, state = time_loop(decode_loop(stream_step, steps), state, inputs, steps)
     row["stream_us"] = stream_seconds * 1e6
