@@ -232,8 +232,9 @@ def bench_case(
     slots = jax.random.permutation(jax.random.key(1), batch).astype(jnp.int32)
     pool_step = functools.partial(pallas_step, slots=slots, **launch)
     vfirst_step = functools.partial(pallas_step, **{**launch, "state_v_first": True})
-    others = (("pool_us", pool_step),) + ((("vfirst_us", vfirst_step), ("xla_us", xla_step)) if not v_first else ())
-    others = others if extras else ()
+    others = [("pool_us", pool_step)] if extras else []
+    if extras and not v_first:  # the V-first form and the XLA step, beside a K-first state
+        others += [("vfirst_us", vfirst_step), ("xla_us", xla_step)]
     for name, step in others:
         seconds, state = time_loop(decode_loop(step, steps), state, inputs, steps)
         row[name] = seconds * 1e6

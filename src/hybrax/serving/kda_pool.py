@@ -207,7 +207,7 @@ def _pallas_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
     return [
         KdaDecodePoolConfig(block_v=bv, num_warps=w, block_k=bk)
         for bv, w, bk in pallas_decode.LAUNCH_CANDIDATES if bv <= dv and (bk is None or bk < dk)
-    ]
+    ]  # a block of all of K or more is the whole-K launch, a candidate already
 
 
 @register(OP_ID, "pallas", "fused_recurrent", priority=20, devices=("gpu",), supports=_pallas_supports,
