@@ -1,5 +1,6 @@
-"""GPU check of `attention`'s XLA implementations: errors against float64 and times beside
-jax.nn.dot_product_attention (XLA, and cuDNN for bf16). Causal, B=1, H=8, D=64; fwd and fwd+bwd.
+"""GPU check of `attention`'s implementations (auto, cuDNN, XLA): errors against float64 and times beside
+jax.nn.dot_product_attention (XLA, and cuDNN for bf16). Causal, B=1, H=8, D=64, then 32 query heads on 8 kv
+heads of 128 with and without a 1024-token window; fwd and fwd+bwd.
 
     PYTHONPATH=src python3 benchmarks/attention_gpu.py
 """
@@ -32,29 +33,47 @@ def _timed(name, forward, args, cotangent, want):
             "fwd+bwd ms": f"{timed(lambda: fwd_bwd(*args)):.3f}", "rel. error": f"{error:.1e}"}
 
 
+# (q_len, heads, kv_heads, head_dim, dtype, sliding window): the seed shapes, then a Kimi-style GQA layer.
+CASES = (
+    (2048, 8, 8, 64, jnp.float32, None),
+    (2048, 8, 8, 64, jnp.bfloat16, None),
+    (8192, 8, 8, 64, jnp.bfloat16, None),
+    (8192, 32, 8, 128, jnp.bfloat16, None),
+    (8192, 32, 8, 128, jnp.bfloat16, 1024),
+)
+
+
+def _inputs(seq_len, heads, kv_heads, head_dim, dtype):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (1, seq_len, heads, head_dim), jnp.float32).astype(dtype)
+    k, v = (jax.random.normal(key, (1, seq_len, kv_heads, head_dim), jnp.float32).astype(dtype) for key in keys[1:3])
+    return (q, k, v), jax.random.normal(keys[3], q.shape, jnp.float32)
+
+
 def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    for seq_len, dtype in ((2048, jnp.float32), (2048, jnp.bfloat16), (8192, jnp.bfloat16)):
-        shape = (1, seq_len, 8, 64)
-        keys = jax.random.split(jax.random.key(0), 4)
-        q, k, v = (jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys[:3])
-        cotangent = jax.random.normal(keys[3], shape, jnp.float32)
+    for seq_len, heads, kv_heads, head_dim, dtype, window in CASES:
+        args, cotangent = _inputs(seq_len, heads, kv_heads, head_dim, dtype)
+        sliding_window = None if window is None else (window, 0)
         want = None
         if seq_len <= 2048:
-            want = reference.attention(*(np.asarray(x, np.float32) for x in (q, k, v)), causal=True)
-        rows = []
-        impls = [("direct", AttentionConfig("xla", "direct"))] if seq_len <= 2048 else []
-        impls += [(f"blockwise {b}x{b}", AttentionConfig("xla", "blockwise", block_q=b, block_k=b))
+            want = reference.attention(*(np.asarray(x, np.float32) for x in args), causal=True,
+                                       sliding_window=sliding_window)
+        impls = [("auto", AttentionConfig())]
+        impls += [("cuda:cudnn", AttentionConfig("cuda", "cudnn"))] if dtype == jnp.bfloat16 else []
+        impls += [("xla:direct", AttentionConfig("xla", "direct"))] if seq_len <= 2048 else []
+        impls += [(f"xla:blockwise {b}x{b}", AttentionConfig("xla", "blockwise", block_q=b, block_k=b))
                   for b in (256, 512, 1024)]
+        rows = []
         for name, cfg in impls:
-            rows.append(_timed(f"ours xla:{name}", lambda q, k, v, cfg=cfg: attention(q, k, v, causal=True, cfg=cfg),
-                               (q, k, v), cotangent, want))
+            ours = functools.partial(attention, causal=True, sliding_window=sliding_window, cfg=cfg)
+            rows.append(_timed(f"ours {name}", ours, args, cotangent, want))
         anchors = ["xla"] + (["cudnn"] if dtype == jnp.bfloat16 else [])
         for impl in anchors:
-            rows.append(_timed(f"jax.nn.dot_product_attention {impl}", lambda q, k, v, impl=impl:
-                               jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl),
-                               (q, k, v), cotangent, want))
-        print(f"\nT={seq_len} {jnp.dtype(dtype).name}")
+            jax_nn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl,
+                                       local_window_size=sliding_window)
+            rows.append(_timed(f"jax.nn.dot_product_attention {impl}", jax_nn, args, cotangent, want))
+        print(f"\nT={seq_len} H={heads} KV={kv_heads} D={head_dim} {jnp.dtype(dtype).name} window={window}")
         print_table(rows, ["implementation", "fwd ms", "fwd+bwd ms", "rel. error"])
 
 

@@ -54,6 +54,8 @@ def test_explicit_cfg_is_used_and_checked():
     np.testing.assert_allclose(out, 1.5 * x + 1.0, rtol=1e-6)
     with pytest.raises(ValueError, match="no implementation xla:nonexistent"):
         ex(Toy(), x, w, cfg=ToyConfig("xla", "nonexistent"))
+    with pytest.raises(ValueError, match="pallas:wrong cannot run this call: no squared calls"):
+        ex(Toy(), x, w, squared=True, cfg=ToyConfig("pallas", "wrong"))
 
 
 def test_custom_vjp_through_registry_under_jit_vmap_checkpoint():

@@ -62,7 +62,9 @@ def custom(p: ToyProblem, cfg: ToyConfig) -> jax.Array:
     return _math(p)
 
 
-# Registered on the 'pallas' platform and wrong on purpose: autotuning must discard it.
-@register(OP_ID, "pallas", "wrong", priority=-1, devices=("cpu",), heuristic_cfg=lambda inv: ToyConfig())
+# Registered on the 'pallas' platform and wrong on purpose: autotuning must discard it. It declines squared
+# calls, so that an explicit config naming it for one must fail with that reason.
+@register(OP_ID, "pallas", "wrong", priority=-1, devices=("cpu",), heuristic_cfg=lambda inv: ToyConfig(),
+          supports=lambda inv: "no squared calls" if inv.static["squared"] else None)
 def wrong(p: ToyProblem, cfg: ToyConfig) -> jax.Array:
     return _math(p) + 1.0

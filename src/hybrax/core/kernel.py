@@ -127,8 +127,12 @@ class Kernel(Generic[Cfg, Out]):
         return [cfg for impl in self.implementations(inv) for cfg in impl.candidate_cfgs(inv)]
 
     def resolve(self, inv: Invocation, cfg: Cfg) -> Cfg:
-        """Fill an explicit config's 'auto' platform/backend with the best supporting implementation."""
+        """Fill an explicit config's 'auto' platform/backend with the best supporting implementation; a
+        config that names one must name one that supports the call (else ValueError with its reason)."""
         if cfg.is_resolved:
+            reason = self.get_impl(cfg).supports(inv)
+            if reason is not None:
+                raise ValueError(f"{self.op_id}: {cfg.platform}:{cfg.backend} cannot run this call: {reason}")
             return cfg
         for impl in self.implementations(inv):
             if cfg.platform in ("auto", impl.platform) and cfg.backend in ("auto", impl.backend):

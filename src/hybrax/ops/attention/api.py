@@ -361,4 +361,4 @@ def attention(
 
 
 # Backends register themselves on import.
-from hybrax.ops.attention import xla, xla_blockwise  # noqa: E402,F401
+from hybrax.ops.attention import cudnn, xla, xla_blockwise  # noqa: E402,F401
