@@ -1,6 +1,6 @@
-"""GPU check of `attention`'s implementations (auto, cuDNN, XLA): errors against float64 and times beside
-jax.nn.dot_product_attention (XLA, and cuDNN for bf16). Causal, B=1, H=8, D=64, then 32 query heads on 8 kv
-heads of 128 with and without a 1024-token window; fwd and fwd+bwd.
+"""GPU check of `attention`'s implementations (auto, cuDNN, Pallas flash, XLA): errors against float64 and times
+beside jax.nn.dot_product_attention (XLA, and cuDNN for bf16). Causal, B=1, H=8, D=64, then 32 query heads on 8
+kv heads of 128: plain, with a 1024-token window, and as four packed sequences; fwd and fwd+bwd.
 
     PYTHONPATH=src python3 benchmarks/attention_gpu.py
 """
@@ -8,9 +8,9 @@ heads of 128 with and without a 1024-token window; fwd and fwd+bwd.
 from __future__ import annotations
 
 import functools
-
 import pathlib
 import sys
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from timing import median_ms, print_table  # noqa: E402
 
-from hybrax import AttentionConfig, attention  # noqa: E402
+from hybrax import AttentionConfig, MaskInfo, attention  # noqa: E402
 from hybrax.core import relative_error  # noqa: E402
 from hybrax.ops.attention import reference  # noqa: E402
 
@@ -33,47 +33,67 @@ def _timed(name, forward, args, cotangent, want):
             "fwd+bwd ms": f"{timed(lambda: fwd_bwd(*args)):.3f}", "rel. error": f"{error:.1e}"}
 
 
-# (q_len, heads, kv_heads, head_dim, dtype, sliding window): the seed shapes, then a Kimi-style GQA layer.
+class Case(NamedTuple):
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: Any
+    window: int | None = None  # left window, causal
+    segments: int = 1  # equal packed sequences (segment ids); jax.nn cannot express them
+
+
+# The seed shapes, then a Kimi-style GQA layer: plain, windowed, and four packed sequences.
 CASES = (
-    (2048, 8, 8, 64, jnp.float32, None),
-    (2048, 8, 8, 64, jnp.bfloat16, None),
-    (8192, 8, 8, 64, jnp.bfloat16, None),
-    (8192, 32, 8, 128, jnp.bfloat16, None),
-    (8192, 32, 8, 128, jnp.bfloat16, 1024),
+    Case(2048, 8, 8, 64, jnp.float32),
+    Case(2048, 8, 8, 64, jnp.bfloat16),
+    Case(8192, 8, 8, 64, jnp.bfloat16),
+    Case(8192, 32, 8, 128, jnp.bfloat16),
+    Case(8192, 32, 8, 128, jnp.bfloat16, window=1024),
+    Case(8192, 32, 8, 128, jnp.bfloat16, segments=4),
 )
 
 
-def _inputs(seq_len, heads, kv_heads, head_dim, dtype):
+def _inputs(case: Case):
     keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (1, seq_len, heads, head_dim), jnp.float32).astype(dtype)
-    k, v = (jax.random.normal(key, (1, seq_len, kv_heads, head_dim), jnp.float32).astype(dtype) for key in keys[1:3])
+    q = jax.random.normal(keys[0], (1, case.seq_len, case.heads, case.head_dim), jnp.float32).astype(case.dtype)
+    k, v = (jax.random.normal(key, (1, case.seq_len, case.kv_heads, case.head_dim), jnp.float32).astype(case.dtype)
+            for key in keys[1:3])
     return (q, k, v), jax.random.normal(keys[3], q.shape, jnp.float32)
+
+
+def _implementations(case: Case) -> list[tuple[str, AttentionConfig]]:
+    impls = [("auto", AttentionConfig()), ("pallas:flash", AttentionConfig("pallas", "flash"))]
+    if case.dtype == jnp.bfloat16 and case.segments == 1:
+        impls.append(("cuda:cudnn", AttentionConfig("cuda", "cudnn")))
+    impls += [("xla:direct", AttentionConfig("xla", "direct"))] if case.seq_len <= 2048 else []
+    return impls + [(f"xla:blockwise {b}x{b}", AttentionConfig("xla", "blockwise", block_q=b, block_k=b))
+                    for b in (256, 512, 1024)]
 
 
 def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    for seq_len, heads, kv_heads, head_dim, dtype, window in CASES:
-        args, cotangent = _inputs(seq_len, heads, kv_heads, head_dim, dtype)
-        sliding_window = None if window is None else (window, 0)
+    for case in CASES:
+        args, cotangent = _inputs(case)
+        sliding_window = None if case.window is None else (case.window, 0)
+        ids = np.repeat(np.arange(case.segments, dtype=np.int32), case.seq_len // case.segments)[None]
+        mask_info = MaskInfo.from_segments(jnp.asarray(ids)) if case.segments > 1 else None
         want = None
-        if seq_len <= 2048:
+        if case.seq_len <= 2048:
             want = reference.attention(*(np.asarray(x, np.float32) for x in args), causal=True,
-                                       sliding_window=sliding_window)
-        impls = [("auto", AttentionConfig())]
-        impls += [("cuda:cudnn", AttentionConfig("cuda", "cudnn"))] if dtype == jnp.bfloat16 else []
-        impls += [("xla:direct", AttentionConfig("xla", "direct"))] if seq_len <= 2048 else []
-        impls += [(f"xla:blockwise {b}x{b}", AttentionConfig("xla", "blockwise", block_q=b, block_k=b))
-                  for b in (256, 512, 1024)]
+                                       sliding_window=sliding_window, q_segment_ids=ids, kv_segment_ids=ids)
         rows = []
-        for name, cfg in impls:
-            ours = functools.partial(attention, causal=True, sliding_window=sliding_window, cfg=cfg)
+        for name, cfg in _implementations(case):
+            ours = functools.partial(attention, causal=True, sliding_window=sliding_window, mask_info=mask_info,
+                                     cfg=cfg)
             rows.append(_timed(f"ours {name}", ours, args, cotangent, want))
-        anchors = ["xla"] + (["cudnn"] if dtype == jnp.bfloat16 else [])
+        anchors = [] if case.segments > 1 else ["xla"] + (["cudnn"] if case.dtype == jnp.bfloat16 else [])
         for impl in anchors:
             jax_nn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl,
                                        local_window_size=sliding_window)
             rows.append(_timed(f"jax.nn.dot_product_attention {impl}", jax_nn, args, cotangent, want))
-        print(f"\nT={seq_len} H={heads} KV={kv_heads} D={head_dim} {jnp.dtype(dtype).name} window={window}")
+        print(f"\nT={case.seq_len} H={case.heads} KV={case.kv_heads} D={case.head_dim} {jnp.dtype(case.dtype).name} "
+              f"window={case.window} segments={case.segments}")
         print_table(rows, ["implementation", "fwd ms", "fwd+bwd ms", "rel. error"])
 
 

@@ -1,5 +1,5 @@
-"""Shared memory, registers, register spills and programs per SM of each Triton kernel of the KDA Pallas
-paths on an H200, estimated without a GPU.
+"""Shared memory, registers, register spills and programs per SM of each Triton kernel of the Pallas paths
+(KDA chunked and decode, flash attention) on an H200, estimated without a GPU.
 
 Only the GPU's compiler says how much shared memory a Triton kernel asks for, and a kernel asking for
 more than the H200's 232448 bytes fails when it first runs (K = 256 did, 2026-12-04). This lowers the
@@ -15,7 +15,7 @@ GPU machine and has to stay small):
         --platform manylinux_2_27_x86_64 --only-binary=:all: -d .triton triton==3.6.0
     .venv/bin/python -m pip install -q --no-deps --target .triton/site .triton/triton-3.6.0-*.whl
     PYTHONPATH=src .venv/bin/python scripts/triton_shared_memory.py --triton .triton/site [--dtype fp32 --dim 256]
-        [--op decode]
+        [--op decode | --op attention]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,9 @@ from hybrax.ops.kda.pallas_chunk_state import Segments  # noqa: E402
 from hybrax.ops.kda.pallas_chunked import kda_chunk  # noqa: E402
 from hybrax.ops.kda.pallas_tiles import PackedChunks  # noqa: E402
 from hybrax.ops.kda.pallas_decode import fused_recurrent_decode, launch_params  # noqa: E402
+from hybrax import AttentionConfig, attention  # noqa: E402
+from hybrax.ops.attention import pallas_flash  # noqa: E402
+from hybrax.ops.attention.mask import MaskInfo  # noqa: E402
 from tests.helpers import lower_for_h200  # noqa: E402
 
 H200_SHARED_MEMORY = 232448  # bytes per block, what the H200 reported when a kernel asked for more
@@ -154,12 +158,30 @@ def decode_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, s
     return triton_calls(lower_for_h200(step, *args), directory)
 
 
+def attention_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, str]]:
+    """The flash attention kernels (forward, backward dQ and dK / dV) of a causal GQA call, T = 2048, 32 query
+    heads on 8 kv heads, with the heuristic's blocks; segment ids, sinks and soft cap on, so every option's
+    code is in."""
+    batch, length, heads, kv_heads = 1, 2048, 32, 8
+    args = [jax.ShapeDtypeStruct((batch, length, n, dim), dtype) for n in (heads, kv_heads, kv_heads)]
+    args += [jax.ShapeDtypeStruct((batch, length), jnp.int32), jax.ShapeDtypeStruct((heads, 1), jnp.float32)]
+
+    def loss(q, k, v, segments, sinks):
+        out = attention(q, k, v, None, None, sinks, mask_info=MaskInfo.from_segments(segments), causal=True,
+                        logits_soft_cap=30.0, cfg=AttentionConfig("pallas", "flash"))
+        return jnp.sum(out.astype(jnp.float32))
+
+    # Lowered here for a GPU: the kernels must be compiled, not interpreted as they are on this CPU.
+    with mock.patch.object(pallas_flash, "interpret_here", lambda: False):
+        return triton_calls(lower_for_h200(jax.grad(loss, argnums=(0, 1, 2, 4)), *args), directory)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--triton", required=True, help="folder holding upstream Triton (a wheel's contents)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--dim", type=int, default=128, help="K = V")
-    parser.add_argument("--op", default="chunked", choices=["chunked", "decode"])
+    parser.add_argument("--op", default="chunked", choices=["chunked", "decode", "attention"])
     parser.add_argument("--chunk", type=int, default=64, help="the chunked path's chunk size")
     parser.add_argument("--packed", action="store_true", help="packed sequences (cu_seqlens), read in place")
     args = parser.parse_args()
@@ -167,13 +189,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         if args.op == "chunked":
             calls = kda_calls(dtype, args.dim, directory, args.chunk, args.packed)
-        else:
+        elif args.op == "decode":
             calls = decode_calls(dtype, args.dim, directory)
+        else:
+            calls = attention_calls(dtype, args.dim, directory)
         compiled = subprocess.run(
             [sys.executable, "-c", COMPILE], input=json.dumps(calls), capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONPATH": args.triton},
         )
-    print(f"KDA {args.op}, {args.dtype}, K = V = {args.dim}; by upstream Triton for sm_90: shared memory (bytes),")
+    print(f"{args.op}, {args.dtype}, head dims {args.dim}; by upstream Triton for sm_90: shared memory (bytes),")
     print("registers per thread, register spills per thread (bytes stored / loaded, static), programs resident per SM")
     for (name, stages, warps, _), usage in zip(calls, json.loads(compiled.stdout)):
         over = "  OVER the H200's limit" if usage["shared"] > H200_SHARED_MEMORY else ""

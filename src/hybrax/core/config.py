@@ -17,7 +17,8 @@ class KernelConfig:
     """Base of every op's config.
 
     `platform` and `backend` name the implementation ("auto" lets the executor choose); subclasses
-    add tuning fields (chunk sizes, block sizes) that never change the math.
+    add tuning fields (chunk sizes, block sizes) that never change the math. In an explicit config, a
+    field left None takes the chosen implementation's heuristic value.
     """
 
     platform: Platform = "auto"

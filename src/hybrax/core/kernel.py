@@ -83,6 +83,15 @@ class Invocation(Generic[Cfg, Out]):
         return hashlib.sha256(self.signature().encode()).hexdigest()[:32]
 
 
+def _with_heuristic_knobs(cfg: Cfg, impl: registry.Implementation, inv: Invocation) -> Cfg:
+    """`cfg` with each knob left None set to the implementation's heuristic value."""
+    unset = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is None]
+    if not unset:
+        return cfg
+    heuristic = impl.heuristic_cfg(inv)
+    return dataclasses.replace(cfg, **{name: getattr(heuristic, name) for name in unset})
+
+
 class Kernel(Generic[Cfg, Out]):
     """Base of every operation.
 
@@ -128,15 +137,18 @@ class Kernel(Generic[Cfg, Out]):
 
     def resolve(self, inv: Invocation, cfg: Cfg) -> Cfg:
         """Fill an explicit config's 'auto' platform/backend with the best supporting implementation; a
-        config that names one must name one that supports the call (else ValueError with its reason)."""
+        config that names one must name one that supports the call (else ValueError with its reason).
+        Knobs left None take that implementation's heuristic values."""
         if cfg.is_resolved:
-            reason = self.get_impl(cfg).supports(inv)
+            impl = self.get_impl(cfg)
+            reason = impl.supports(inv)
             if reason is not None:
                 raise ValueError(f"{self.op_id}: {cfg.platform}:{cfg.backend} cannot run this call: {reason}")
-            return cfg
+            return _with_heuristic_knobs(cfg, impl, inv)
         for impl in self.implementations(inv):
             if cfg.platform in ("auto", impl.platform) and cfg.backend in ("auto", impl.backend):
-                return dataclasses.replace(cfg, platform=impl.platform, backend=impl.backend)
+                resolved = dataclasses.replace(cfg, platform=impl.platform, backend=impl.backend)
+                return _with_heuristic_knobs(resolved, impl, inv)
         raise ValueError(f"{self.op_id}: no implementation matches cfg {cfg}")
 
     def execute(self, problem: Any, cfg: Cfg) -> Out:

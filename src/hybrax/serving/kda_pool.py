@@ -29,6 +29,7 @@ from hybrax.core.validate import check_floating, check_integer, check_rank, chec
 from hybrax.ops.kda import pallas_decode
 from hybrax.ops.kda.gate import activate_beta, fused_gate
 from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
+from hybrax.ops.pallas_shared import interpret_here
 
 OP_ID = "kda_decode_pool"
 GATES = pallas_decode.GATES
@@ -218,7 +219,7 @@ def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tu
         problem.a_log, problem.dt_bias, scale=problem.scale, lower_bound=problem.lower_bound, gate=problem.gate,
         beta_is_logits=problem.beta_is_logits, use_qk_l2norm=problem.use_qk_l2norm,
         state_v_first=problem.state_v_first, block_v=cfg.block_v, block_k=cfg.block_k, num_warps=cfg.num_warps,
-        interpret=pallas_decode.interpret_here(),
+        interpret=interpret_here(),
     )
 
 

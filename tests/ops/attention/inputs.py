@@ -18,11 +18,20 @@ def normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.A
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
 
 
-# Small tiles so the blockwise tests cover several tiles, ragged last tiles and skipped tiles.
-IMPLS = {
+# Small tiles so the blockwise and flash tests cover several tiles, ragged last tiles and skipped tiles.
+XLA_IMPLS = {
     "direct": AttentionConfig("xla", "direct"),
     "blockwise": AttentionConfig("xla", "blockwise", block_q=8, block_k=16),
 }
+IMPLS = {**XLA_IMPLS, "flash": AttentionConfig("pallas", "flash", block_q=16, block_k=16)}
+# make_call options the flash kernels decline (they run in XLA): bias, dense masks, dropout.
+NOT_FLASH = ("bias_heads", "mask_heads", "dropout_prob")
+
+
+def impl_cases(cases: dict[str, dict]) -> list[tuple[str, str]]:
+    """(case, impl) pairs: every case for the XLA implementations, those without NOT_FLASH options for flash."""
+    return [(case, impl) for case, options in cases.items() for impl in IMPLS
+            if impl in XLA_IMPLS or not any(name in options for name in NOT_FLASH)]
 
 
 @dataclasses.dataclass

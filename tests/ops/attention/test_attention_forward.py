@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests.helpers import TOLERANCE, assert_close
-from tests.ops.attention.inputs import IMPLS, make_call
+from tests.ops.attention.inputs import IMPLS, impl_cases, make_call
 
 # name -> make_call arguments. Lengths 19 x 27 give ragged tiles; Tq != Tk checks the alignment.
 CASES = {
@@ -22,6 +22,8 @@ CASES = {
     "bias_per_kv_head": dict(bias_heads=2),
     "bias_batch1_shared_sinks": dict(bias_heads=1, bias_batch=1, sinks=(2,)),
     "soft_cap_after_bias": dict(bias_heads=4, logits_soft_cap=2.0),
+    "soft_cap_sinks_window": dict(logits_soft_cap=1.5, sinks=(4, 2), sliding_window=(3, 8)),
+    "segments_causal_gqa": dict(segments=True, causal=True, heads=8, kv_heads=2, q_len=33, kv_len=33),
     "segments": dict(segments=True),
     "mask_shared_heads": dict(mask_heads=1),
     "mask_per_head_with_bias": dict(mask_heads=4, bias_heads=4),
@@ -34,8 +36,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("case", "impl"), impl_cases(CASES))
 def test_forward_fp32(case, impl):
     call = make_call(**CASES[case])
     out = call.run_jit(IMPLS[impl])
@@ -43,8 +44,9 @@ def test_forward_fp32(case, impl):
     assert_close(out, call.reference(), TOLERANCE[jnp.float32], f"{case}/{impl}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", ["plain", "causal_one_query_long_kv", "everything", "segments", "gqa_4"])
+@pytest.mark.parametrize(("case", "impl"), impl_cases(
+    {case: CASES[case] for case in ("plain", "causal_one_query_long_kv", "everything", "segments", "gqa_4",
+                                    "soft_cap_sinks_window")}))
 def test_forward_bf16(case, impl):
     call = make_call(**CASES[case], dtype=jnp.bfloat16)
     out = call.run_jit(IMPLS[impl])

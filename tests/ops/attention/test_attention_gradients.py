@@ -13,7 +13,7 @@ import pytest
 
 from hybrax.ops.attention import reference
 from tests.helpers import TOLERANCE, assert_close, to64
-from tests.ops.attention.inputs import IMPLS, make_call, normal
+from tests.ops.attention.inputs import IMPLS, impl_cases, make_call, normal
 
 CASES = {
     "bf16": dict(causal=True, bias_heads=4, sinks=(4, 2)),
@@ -25,6 +25,9 @@ CASES = {
     "segments_and_mask": dict(segments=True, causal=True),
     "mask_with_bias": dict(mask_heads=4, bias_heads=4, sinks=(4, 1)),
     "dropout": dict(dropout_prob=0.3, deterministic=False, dropout_rng=jax.random.key(5), bias_heads=4),
+    "soft_cap_sinks_window_gqa": dict(logits_soft_cap=1.5, sinks=(8, 2), sliding_window=(3, 8), heads=8),
+    "segments_more_queries": dict(segments=True, causal=True, q_len=37, kv_len=21),
+    "bf16_no_bias": dict(causal=True, sinks=(4, 2), logits_soft_cap=3.0),
 }
 
 
@@ -67,8 +70,7 @@ def _grads(call, cfg, cotangent) -> dict:
     return jax.jit(jax.grad(loss))(_arrays(call))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", [c for c in CASES if c != "bf16"])
+@pytest.mark.parametrize(("case", "impl"), impl_cases({c: o for c, o in CASES.items() if not c.startswith("bf16")}))
 def test_gradients_fp32(case, impl):
     call, cotangent, want = _case(case)
     got = _grads(call, IMPLS[impl], cotangent)
@@ -81,9 +83,9 @@ def test_gradients_fp32(case, impl):
         assert_close(got[name], want[name], tol, f"d{name} {case}/{impl}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_gradients_bf16(impl):
-    call, cotangent, want = _case("bf16", jnp.bfloat16)
+@pytest.mark.parametrize(("case", "impl"), impl_cases({c: o for c, o in CASES.items() if c.startswith("bf16")}))
+def test_gradients_bf16(case, impl):
+    call, cotangent, want = _case(case, jnp.bfloat16)
     got = _grads(call, IMPLS[impl], cotangent)
     for name in got:
         assert got[name].dtype == jnp.bfloat16

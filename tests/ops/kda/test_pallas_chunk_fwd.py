@@ -25,7 +25,8 @@ from hybrax.ops.kda.pallas_chunk_state import (
 )
 from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
-from hybrax.ops.kda.pallas_tiles import EXACT, PackedChunks
+from hybrax.ops.kda.pallas_tiles import PackedChunks
+from hybrax.ops.pallas_shared import EXACT
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 
 

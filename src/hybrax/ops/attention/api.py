@@ -31,10 +31,11 @@ LONG_SCORES_BYTES = 256 * 2**20
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig(KernelConfig):
-    """Speed knobs only. block_q / block_k: tile sizes of the blockwise implementation."""
+    """Speed knobs only. block_q / block_k: tile sizes of the blockwise and flash implementations (None: the
+    implementation's heuristic choice)."""
 
-    block_q: int = 512
-    block_k: int = 512
+    block_q: int | None = None
+    block_k: int | None = None
 
 
 @problem_dataclass
@@ -361,4 +362,4 @@ def attention(
 
 
 # Backends register themselves on import.
-from hybrax.ops.attention import cudnn, xla, xla_blockwise  # noqa: E402,F401
+from hybrax.ops.attention import cudnn, pallas_flash, xla, xla_blockwise  # noqa: E402,F401

@@ -29,8 +29,8 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 
 # Options of the problem that cuDNN's path through jax.nn cannot express, and how to name them.
 _UNSUPPORTED_ARRAYS = {
-    "bias": "a bias",
-    "mask": "an attention mask",
+    "bias": "bias",
+    "mask": "attention mask",
     "q_segment_ids": "segment ids",
     "softmax_aux": "attention sinks (softmax_aux)",
     "dropout_seed": "dropout",

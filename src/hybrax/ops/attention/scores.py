@@ -8,6 +8,8 @@ compute the same math and draw the same dropout mask. Tiles are laid out [B, K, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
@@ -116,3 +118,26 @@ def apply_dropout(p: AttentionProblem, weights: jax.Array, keep: jax.Array | Non
     if keep is None:
         return weights
     return jnp.where(keep, weights / jnp.asarray(1.0 - p.dropout_prob, weights.dtype), 0)
+
+
+def pad_axis(x: jax.Array | None, axis: int, size: int, value: Any = 0) -> jax.Array | None:
+    """x padded with `value` at the end of `axis` to `size`."""
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def row_delta(p: AttentionProblem, out: Float[Array, "B Tq K G Dv"], d_out: Float[Array, "B Tq K G Dv"]
+              ) -> Float[Array, "B K G Tq"]:
+    """delta_i = sum_j P_ij dP_ij = dO_i . O_i, the softmax backward's row term."""
+    return jnp.moveaxis(jnp.sum(d_out.astype(p.softmax_dtype) * out.astype(p.softmax_dtype), axis=-1), 1, 3)
+
+
+def sink_grads(p: AttentionProblem, lse: jax.Array, delta: jax.Array) -> jax.Array | None:
+    """d softmax_aux: each sink's weight exp(aux - lse) times -delta, summed over batch and queries."""
+    if p.softmax_aux is None:
+        return None
+    sink_weights = jnp.exp(p.softmax_aux[None, :, :, None, :] - lse[..., None])
+    return -jnp.sum(sink_weights * delta[..., None], axis=(0, 3))

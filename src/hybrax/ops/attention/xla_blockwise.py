@@ -10,7 +10,6 @@ and dbias tiles. Tiles that the causal / sliding window hides entirely are skipp
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +18,6 @@ from jaxtyping import Array, Float
 from hybrax.core import Invocation, cotangent, register
 from hybrax.ops.attention import scores
 from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
-
-
-def _pad(x: jax.Array | None, axis: int, size: int, value: Any = 0) -> jax.Array | None:
-    if x is None or x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def _slice(x: jax.Array | None, start: jax.Array, size: int, axis: int) -> jax.Array | None:
@@ -57,12 +48,13 @@ class Tiling:
         q_pad = -(-q_len // block_q) * block_q
         k_pad = -(-kv_len // block_k) * block_k
         # Padded positions are hidden by `scores.visible`; the pad values only need to be finite.
+        pad = scores.pad_axis
         return cls(
             p, block_q, block_k,
-            query=_pad(p.query, 1, q_pad), key=_pad(p.key, 1, k_pad), value=_pad(p.value, 1, k_pad),
-            bias=_pad(_pad(p.bias, 3, q_pad), 4, k_pad),
-            mask=_pad(_pad(p.mask, 3, q_pad, False), 4, k_pad, False),
-            q_segment_ids=_pad(p.q_segment_ids, 1, q_pad), kv_segment_ids=_pad(p.kv_segment_ids, 1, k_pad),
+            query=pad(p.query, 1, q_pad), key=pad(p.key, 1, k_pad), value=pad(p.value, 1, k_pad),
+            bias=pad(pad(p.bias, 3, q_pad), 4, k_pad),
+            mask=pad(pad(p.mask, 3, q_pad, False), 4, k_pad, False),
+            q_segment_ids=pad(p.q_segment_ids, 1, q_pad), kv_segment_ids=pad(p.kv_segment_ids, 1, k_pad),
         )
 
     @property
@@ -198,23 +190,15 @@ def _tile_grads(
     return dk, dv, dq, dbias
 
 
-def _sink_grads(p: AttentionProblem, lse: jax.Array, delta: jax.Array) -> jax.Array | None:
-    """d softmax_aux: each sink's weight exp(aux - lse) times -delta, summed over batch and queries."""
-    if p.softmax_aux is None:
-        return None
-    sink_weights = jnp.exp(p.softmax_aux[None, :, :, None, :] - lse[..., None])
-    return -jnp.sum(sink_weights * delta[..., None], axis=(0, 3))
-
-
 def _backward(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> AttentionProblem:
     p, out, lse = residuals
     t = Tiling.of(p, cfg)
     acc_dtype = scores.accumulation_dtype(p)
     q_len, q_pad = p.query.shape[1], t.query.shape[1]
     # delta_i = sum_j P_ij dP_ij = dO_i . O_i, the softmax backward's row term. [B, K, G, Tq]
-    delta = jnp.moveaxis(jnp.sum(d_out.astype(p.softmax_dtype) * out.astype(p.softmax_dtype), axis=-1), 1, 3)
-    d_out_pad = _pad(d_out.astype(p.dtype), 1, q_pad)
-    lse_pad, delta_pad = _pad(lse, 3, q_pad), _pad(delta, 3, q_pad)
+    delta = scores.row_delta(p, out, d_out)
+    d_out_pad = scores.pad_axis(d_out.astype(p.dtype), 1, q_pad)
+    lse_pad, delta_pad = scores.pad_axis(lse, 3, q_pad), scores.pad_axis(delta, 3, q_pad)
     bq = t.block_q
     # Shapes of a tile's (dq, dbias), for the zeros of skipped tiles.
     tile_shapes = jax.eval_shape(
@@ -255,7 +239,7 @@ def _backward(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> Atten
         key=_blocks_to_rows(dk, 1)[:, :kv_len].astype(p.key.dtype),
         value=_blocks_to_rows(dv, 1)[:, :kv_len].astype(p.value.dtype),
         bias=dbias,
-        softmax_aux=_sink_grads(p, lse, delta),
+        softmax_aux=scores.sink_grads(p, lse, delta),
     )
 
 

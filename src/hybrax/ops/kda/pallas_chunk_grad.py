@@ -28,9 +28,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import (
-    PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_state_spec, chunk_windows, dot_settings, index_grid, mm_t,
-    mm_tn, packed_chunk_specs, pipeline_stages, solve_precision, split_packed, token_column_spec, token_rows_spec,
+    PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_state_spec, chunk_windows, index_grid, packed_chunk_specs,
+    pipeline_stages, split_packed, token_column_spec, token_rows_spec,
 )
+from hybrax.ops.pallas_shared import dot_settings, mm_t, mm_tn, solve_precision
 
 
 def _grad_kernel(

@@ -39,9 +39,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, PackedChunks, chunk_rows_spec, chunk_windows, dot_settings, index_grid, mm, mm_t, packed_chunk_specs,
-    pipeline_stages, solve_precision, split_packed, token_column_spec, token_rows_spec,
+    SUB, PackedChunks, chunk_rows_spec, chunk_windows, index_grid, packed_chunk_specs, pipeline_stages, split_packed,
+    token_column_spec, token_rows_spec,
 )
+from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, solve_precision
 from hybrax.ops.kda.xla_scan import inverse_l2_norm
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take

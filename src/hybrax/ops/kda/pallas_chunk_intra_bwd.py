@@ -28,9 +28,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_chunk_intra import STEEP, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
-    SUB, PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_windows, index_grid, mm, mm_tn, packed_chunk_specs,
-    pipeline_stages, solve_precision, split_packed, token_column_spec, token_rows_spec,
+    SUB, PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_windows, index_grid, packed_chunk_specs,
+    pipeline_stages, split_packed, token_column_spec, token_rows_spec,
 )
+from hybrax.ops.pallas_shared import mm, mm_tn, solve_precision
 
 
 def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, jax.Array]:

@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn, pipeline_stages
+from hybrax.ops.kda.pallas_tiles import pipeline_stages
+from hybrax.ops.pallas_shared import dot_settings, mm_tn
 
 
 class Segments(NamedTuple):

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from hybrax.ops.kda.pallas_chunk_state import (
     Segments, chunk_scalars, emit, restart, state_pass_call, state_tile,
 )
-from hybrax.ops.kda.pallas_tiles import dot_settings, mm_tn
+from hybrax.ops.pallas_shared import dot_settings, mm_tn
 
 
 def _state_bwd_kernel(

@@ -20,9 +20,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import (
-    PackedChunks, chunk_rows_spec, chunk_windows, dot_settings, mm, packed_chunk_specs, split_packed, token_column_spec,
-    token_rows_spec,
+    PackedChunks, chunk_rows_spec, chunk_windows, packed_chunk_specs, split_packed, token_column_spec, token_rows_spec,
 )
+from hybrax.ops.pallas_shared import dot_settings, mm
 
 
 def write_wy(

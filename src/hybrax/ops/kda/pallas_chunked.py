@@ -18,13 +18,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hybrax.core import Invocation, register, runtime_device
+from hybrax.core import Invocation, register
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
 from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, Packing, kda_chunk_fwd, kda_chunk_fwd_solved
 from hybrax.ops.kda.pallas_chunk_state import Segments
 from hybrax.ops.kda.pallas_tiles import PackedChunks
 from hybrax.ops.kda.xla_chunked import Layout, from_packed_rows, packed_layout
+from hybrax.ops.pallas_shared import interpret_here
 
 STATIC = ("scale", "l2_normalize", "chunk", "interpret")
 
@@ -101,7 +102,7 @@ def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tup
             initial_state = jnp.zeros(problem.state_shape, jnp.float32)
     o, final = kda_chunk(
         *inputs, initial_state, segments, packed, problem.scale, problem.use_qk_l2norm, cfg.chunk_size,
-        runtime_device() != "gpu",
+        interpret_here(),
     )
     if layout is not None:  # tokens of no sequence read zeros
         o = from_packed_rows(o, layout)

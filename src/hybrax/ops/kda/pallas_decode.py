@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import Invocation, register
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.xla_scan import inverse_l2_norm, kda_single_step
+from hybrax.ops.pallas_shared import interpret_here
 
 GATES = ("activated", "softplus", "bounded")
 MAX_UNROLLED_TOKENS = 8
@@ -279,11 +280,6 @@ def launch_params(rows: int, dv: int) -> dict[str, int]:
     4 warps, 32 columns up to B = 8 at H = 32, 64 columns from B = 64."""
     block_v = 64 if dv >= 64 and rows * (dv // 64) >= MIN_PROGRAMS else min(32, dv)
     return {"block_v": block_v, "num_warps": 4}
-
-
-def interpret_here() -> bool:
-    """Pallas runs compiled on a GPU and in interpret mode anywhere else (the CPU tests)."""
-    return jax.default_backend() != "gpu"
 
 
 def _supports_single_token(inv: Invocation) -> str | None:

@@ -24,6 +24,7 @@ from hybrax.core.validate import check_floating, check_rank, check_shape
 from hybrax.ops.kda import pallas_decode
 from hybrax.ops.kda.gate import fused_gate
 from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
+from hybrax.ops.pallas_shared import interpret_here
 
 
 def _check(q, k, v, g, beta, a_log, dt_bias, out, S, scale, lower_bound) -> None:
@@ -85,6 +86,6 @@ def kda_tkg(
     dv = jnp.shape(v)[2]
     q, k, g = (jnp.swapaxes(x, 1, 2)[:, None] for x in (q, k, g))  # [B, 1, H, dk]
     v, a_log, dt_bias = v[:, None], jnp.reshape(a_log, (heads,)), jnp.transpose(dt_bias)
-    step = _xla_step if pallas_decode.interpret_here() or pallas_decode.tile_reason(dk, dv) else _pallas_step
+    step = _xla_step if interpret_here() or pallas_decode.tile_reason(dk, dv) else _pallas_step
     o, state = step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound)
     return o.astype(jnp.result_type(out)), state

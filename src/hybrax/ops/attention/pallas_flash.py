@@ -1,0 +1,180 @@
+"""`attention` as flash attention in Pallas (Triton lowering): the options cuDNN lacks, fused.
+
+Segment ids (packed sequences), attention sinks, the logits soft cap, windows on both sides with hybrax's
+bottom-right alignment (Tq != Tk), fp32, any GQA ratio, head dims up to 256 (padded with zeros to a power
+of two: zero q / k columns add nothing to q.k, zero value columns fill output columns that are sliced off).
+A bias, a dense mask or dropout stay with the XLA implementations.
+
+The forward (`pallas_flash_fwd.py`) writes each row's logsumexp; the backward (`pallas_flash_bwd.py`)
+recomputes the weights from it. Lengths are padded to whole blocks; padded rows and keys are invisible.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from hybrax.core import Invocation, cotangent, register
+from hybrax.ops.attention import scores
+from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
+from hybrax.ops.attention.mask import PADDING_SEGMENT
+from hybrax.ops.attention.pallas_flash_bwd import flash_backward_dkdv, flash_backward_dq
+from hybrax.ops.attention.pallas_flash_fwd import flash_forward
+from hybrax.ops.attention.pallas_flash_tiles import Geometry
+from hybrax.ops.pallas_shared import interpret_here
+
+MAX_HEAD_DIM = 256
+MIN_DOT = 16  # the smallest tile side a Triton dot takes
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _padded_dim(size: int) -> int:
+    return max(MIN_DOT, 1 << (size - 1).bit_length())
+
+
+def _supports(inv: Invocation) -> str | None:
+    arrays, static = inv.arrays, inv.static
+    for name, what in (("bias", "bias"), ("mask", "dense attention mask (segment ids are taken)"),
+                       ("dropout_seed", "dropout")):
+        if arrays[name] is not None:
+            return f"the flash kernels take no {what}"
+    if static["dtype"] not in DTYPES:
+        return f"the flash kernels need dtype bfloat16, float16 or float32, got {static['dtype']}"
+    if static["softmax_dtype"] != jnp.float32:
+        return f"the flash kernels compute the softmax in float32, asked for {static['softmax_dtype']}"
+    head_dim, v_dim = arrays["query"].shape[-1], arrays["value"].shape[-1]
+    if _padded_dim(max(head_dim, v_dim)) > MAX_HEAD_DIM:
+        return f"the flash kernels need head dims <= {MAX_HEAD_DIM}, got {head_dim} (query, key) and {v_dim} (value)"
+    return None
+
+
+# Blocks (block_q, block_k) by head dim (padded) for 16-bit inputs, forward and backward; fp32 inputs take
+# FP32_BLOCKS. Chosen offline (no GPU timed them yet): the largest tiles that upstream Triton 3.6 compiles for
+# sm_90 with every option on (segments, sinks, soft cap) without spilling registers or passing the H200's
+# shared memory (`scripts/triton_shared_memory.py --op attention`, 2026-12-04): forward 128 x 64 at D <= 128
+# (253 registers at D = 128), 64 x 32 at D = 256 (232); backward 64 x 64 at D = 128 (dK / dV 255 registers,
+# dQ 237), 64 x 32 at D = 64 and 256. fp32 dots take three tf32 passes and spill at every tile from D = 128
+# on (32 x 32: 56 bytes forward, 512 dK / dV): correct, but slow; 16-bit inputs are the fast path.
+FORWARD_BLOCKS = {64: (128, 64), 128: (128, 64), 256: (64, 32)}
+BACKWARD_BLOCKS = {64: (64, 32), 128: (64, 64), 256: (64, 32)}
+FP32_BLOCKS = (32, 32)
+
+
+def _blocks_by_dim(head_dims: tuple[int, int], dtype, table: dict) -> tuple[int, int]:
+    if dtype == jnp.float32:
+        return FP32_BLOCKS
+    head_dim = max(64, _padded_dim(max(head_dims)))
+    return table[head_dim]
+
+
+def _heuristic(inv: Invocation) -> AttentionConfig:
+    dims = (inv.arrays["query"].shape[-1], inv.arrays["value"].shape[-1])
+    block_q, block_k = _blocks_by_dim(dims, inv.static["dtype"], FORWARD_BLOCKS)
+    return AttentionConfig(block_q=block_q, block_k=block_k)
+
+
+def _candidates(inv: Invocation) -> list[AttentionConfig]:
+    """The heuristic's blocks and their halves (the Triton dot's minimum of 16 permitting)."""
+    best = _heuristic(inv)
+    return [AttentionConfig(block_q=bq, block_k=bk) for bq in {max(best.block_q // 2, MIN_DOT), best.block_q}
+            for bk in {max(best.block_k // 2, MIN_DOT), best.block_k}]
+
+
+def _blocks(size: int, block: int) -> int:
+    """The block along a length: the config's, or the smallest power of two >= 16 holding the length."""
+    return min(block, _padded_dim(size))
+
+
+def _geometry(p: AttentionProblem, block_q: int, block_k: int) -> Geometry:
+    q_len, kv_len = p.query.shape[1], p.key.shape[1]
+    return Geometry(
+        q_len=q_len, kv_len=kv_len, block_q=_blocks(q_len, block_q), block_k=_blocks(kv_len, block_k),
+        group=p.query.shape[3], window_left=p.window_left, window_right=p.window_right, scale=p.softmax_scale,
+        soft_cap=p.logits_soft_cap, has_segments=p.q_segment_ids is not None,
+    )
+
+
+def _launch(geometry: Geometry, head_dim: int, dtype) -> dict:
+    """Eight warps from 8192 entries of [block_q, D] tiles on (fewer spills in the offline compile), four below;
+    fp32 tiles without pipelining (each stage would hold another set of fp32 tiles in shared memory)."""
+    warps = 8 if geometry.block_q * head_dim >= 8192 else 4
+    return {"num_warps": warps, "num_stages": 1 if dtype == jnp.float32 else 2, "interpret": interpret_here()}
+
+
+def _padded_inputs(p: AttentionProblem, geometry: Geometry) -> dict:
+    """q [B, Tq', H, D'], k [B, Tk', KV, D'], v [B, Tk', KV, Dv'] and segment ids [B, Tq'] / [B, Tk'],
+    padded to whole blocks and power-of-two head dims."""
+    batch, q_len, kv_heads, group, head_dim = p.query.shape
+    q_rows, kv_rows = geometry.num_q_blocks * geometry.block_q, geometry.num_k_blocks * geometry.block_k
+    head_size, value_size = _padded_dim(head_dim), _padded_dim(p.value.shape[-1])
+
+    def rows_and_width(x: jax.Array, rows: int, width: int) -> jax.Array:
+        return scores.pad_axis(scores.pad_axis(x, 1, rows), 3, width)
+
+    query = jnp.reshape(p.query, (batch, q_len, kv_heads * group, head_dim))
+    return dict(
+        q=rows_and_width(query, q_rows, head_size), k=rows_and_width(p.key, kv_rows, head_size),
+        v=rows_and_width(p.value, kv_rows, value_size),
+        q_segments=scores.pad_axis(p.q_segment_ids, 1, q_rows, PADDING_SEGMENT),
+        kv_segments=scores.pad_axis(p.kv_segment_ids, 1, kv_rows, PADDING_SEGMENT),
+    )
+
+
+def _sink_start(p: AttentionProblem) -> tuple[jax.Array | None, jax.Array | None]:
+    """Each head's sinks as the online softmax's starting (max, denominator), [H, 1] each."""
+    if p.softmax_aux is None:
+        return None, None
+    sinks = jnp.reshape(p.softmax_aux, (-1, p.softmax_aux.shape[-1])).astype(jnp.float32)
+    sink_max = jnp.max(sinks, axis=-1, keepdims=True)
+    return sink_max, jnp.sum(jnp.exp(sinks - sink_max), axis=-1, keepdims=True)
+
+
+def _forward(p: AttentionProblem, cfg: AttentionConfig) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Tq, K, G, Dv], lse [B, K, G, Tq])."""
+    batch, q_len, kv_heads, group, _ = p.query.shape
+    v_dim = p.value.shape[-1]
+    geometry = _geometry(p, cfg.block_q, cfg.block_k)
+    inputs = _padded_inputs(p, geometry)
+    out, lse = flash_forward(**inputs, **dict(zip(("sink_max", "sink_sum"), _sink_start(p))), geometry=geometry,
+                             **_launch(geometry, inputs["q"].shape[-1], p.dtype))
+    out = jnp.reshape(out[:, :q_len, :, :v_dim], (batch, q_len, kv_heads, group, v_dim))
+    return out, jnp.reshape(lse[:, :, :q_len], (batch, kv_heads, group, q_len))
+
+
+def _fwd(p: AttentionProblem, cfg: AttentionConfig) -> tuple[jax.Array, tuple]:
+    out, lse = _forward(p, cfg)
+    return out, (p, out, lse)
+
+
+def _bwd(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> AttentionProblem:
+    p, out, lse = residuals
+    batch, q_len, kv_heads, group, head_dim = p.query.shape
+    kv_len, v_dim = p.key.shape[1], p.value.shape[-1]
+    geometry = _geometry(p, *_blocks_by_dim((head_dim, v_dim), p.dtype, BACKWARD_BLOCKS))
+    inputs = _padded_inputs(p, geometry)
+    q_rows, heads = inputs["q"].shape[1], kv_heads * group
+    delta = scores.row_delta(p, out, d_out)
+
+    def per_head_rows(x: jax.Array) -> jax.Array:  # [B, K, G, Tq] -> [B, H, Tq']; padded rows are invisible
+        return scores.pad_axis(jnp.reshape(x, (batch, heads, q_len)), 2, q_rows)
+
+    d_out_rows = jnp.reshape(d_out.astype(p.dtype), (batch, q_len, heads, v_dim))
+    d_out_rows = scores.pad_axis(scores.pad_axis(d_out_rows, 1, q_rows), 3, inputs["v"].shape[-1])
+    grads_in = dict(**inputs, d_out=d_out_rows, lse=per_head_rows(lse), delta=per_head_rows(delta))
+    launch = dict(geometry=geometry, **_launch(geometry, inputs["q"].shape[-1], p.dtype))
+    dq = flash_backward_dq(**grads_in, **launch)
+    dk, dv = flash_backward_dkdv(**grads_in, **launch)
+    return cotangent(
+        p,
+        query=jnp.reshape(dq[:, :q_len, :, :head_dim], p.query.shape).astype(p.query.dtype),
+        key=dk[:, :kv_len, :, :head_dim].astype(p.key.dtype),
+        value=dv[:, :kv_len, :, :v_dim].astype(p.value.dtype),
+        softmax_aux=scores.sink_grads(p, lse, delta),
+    )
+
+
+@register(OP_ID, "pallas", "flash", priority=5, devices=(), supports=_supports, heuristic_cfg=_heuristic,
+          candidate_cfgs=_candidates, fwd=_fwd, bwd=_bwd)
+def flash(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G Dv"]:
+    return _forward(p, cfg)[0]

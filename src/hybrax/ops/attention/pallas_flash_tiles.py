@@ -1,0 +1,95 @@
+"""What the flash attention kernels share: the static geometry of a call (blocks, window, alignment) and the
+score tile every kernel recomputes the same way.
+
+Positions are hybrax's: query i sits at the aligned position i + kv_len - q_len, and key j is visible when
+the window allows it around that position, j < kv_len, i < q_len, and the segment ids match (id -1 sees
+nothing). Key blocks a query block cannot see, and query blocks a key block cannot be seen by, are never
+loaded: the kernels' loops run over `key_blocks` / `query_blocks` only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hybrax.ops.attention.mask import PADDING_SEGMENT
+from hybrax.ops.pallas_shared import mm_t
+
+
+class Geometry(NamedTuple):
+    """Static description of one call's tiling (hashable: a jit static argument)."""
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+    group: int  # query heads per kv head
+    window_left: int | None
+    window_right: int | None
+    scale: float
+    soft_cap: float | None
+    has_segments: bool
+
+    @property
+    def offset(self) -> int:
+        """Aligned position of query i: i + offset (bottom-right alignment)."""
+        return self.kv_len - self.q_len
+
+    @property
+    def num_q_blocks(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def num_k_blocks(self) -> int:
+        return -(-self.kv_len // self.block_k)
+
+    def key_blocks(self, q_block: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[first, end) of the key blocks that query block `q_block` may see."""
+        first_row = q_block * self.block_q
+        first, end = jnp.int32(0), jnp.int32(self.num_k_blocks)
+        if self.window_left is not None:
+            first = jnp.maximum(first_row + self.offset - self.window_left, 0) // self.block_k
+        if self.window_right is not None:
+            last_key = first_row + self.block_q - 1 + self.offset + self.window_right
+            end = jnp.minimum((jnp.maximum(last_key, -1) + self.block_k) // self.block_k, end)
+        return first, end
+
+    def query_blocks(self, k_block: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[first, end) of the query blocks that may see key block `k_block`."""
+        first_key = k_block * self.block_k
+        first, end = jnp.int32(0), jnp.int32(self.num_q_blocks)
+        if self.window_right is not None:
+            first = jnp.maximum(first_key - self.window_right - self.offset, 0) // self.block_q
+        if self.window_left is not None:
+            last_row = first_key + self.block_k - 1 + self.window_left - self.offset
+            end = jnp.minimum((jnp.maximum(last_row, -1) + self.block_q) // self.block_q, end)
+        return first, end
+
+    def visible(
+        self, q_block: jax.Array, k_block: jax.Array, q_segments: jax.Array | None, kv_segments: jax.Array | None
+    ) -> jax.Array:
+        """bool [block_q, block_k]: which keys of the tile each query sees."""
+        # A column of rows and a row of columns: comparisons broadcast them, and neither index is held per entry.
+        rows = (q_block * self.block_q + lax.iota(jnp.int32, self.block_q))[:, None]
+        cols = (k_block * self.block_k + lax.iota(jnp.int32, self.block_k))[None, :]
+        seen = (rows < self.q_len) & (cols < self.kv_len)
+        if self.window_left is not None:
+            seen &= cols >= rows + (self.offset - self.window_left)
+        if self.window_right is not None:
+            seen &= cols <= rows + (self.offset + self.window_right)
+        if self.has_segments:
+            seen &= (q_segments[:, None] == kv_segments[None, :]) & (q_segments[:, None] != PADDING_SEGMENT)
+        return seen
+
+    def logits(self, q: jax.Array, k: jax.Array, dtype, precision) -> tuple[jax.Array, jax.Array | None]:
+        """(cap(scale q k^T), tanh of the capped argument or None): fp32 [block_q, block_k]. The backward
+        multiplies by cap's slope 1 - tanh^2."""
+        logits = mm_t(q, k, dtype, precision) * self.scale
+        if self.soft_cap is None:
+            return logits, None
+        tanh = jnp.tanh(logits / self.soft_cap)
+        return self.soft_cap * tanh, tanh
+
