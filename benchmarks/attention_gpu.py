@@ -25,6 +25,15 @@ from hybrax.ops.attention import reference  # noqa: E402
 
 
 def _timed(name, forward, args, cotangent, want):
+    """A row of times and error; a launch that fails (compile or run) is a row saying so, and the sweep goes on."""
+    try:
+        return _time(name, forward, args, cotangent, want)
+    except Exception as error:  # noqa: BLE001 - one failing implementation must not end a GPU session's run
+        message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
+        return {"implementation": name, "fwd ms": message, "fwd+bwd ms": "", "rel. error": ""}
+
+
+def _time(name, forward, args, cotangent, want):
     fwd = jax.jit(forward)
     fwd_bwd = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32) * cotangent), argnums=(0, 1, 2)))
     error = relative_error(np.asarray(fwd(*args), np.float32), want) if want is not None else float("nan")
