@@ -71,10 +71,10 @@ def test_rows_that_see_nothing_give_zeros_and_zero_gradients():
 
 
 def _visible_tiles(geometry: Geometry) -> np.ndarray:
-    """bool [q blocks, k blocks]: which tiles hold a visible (query, key) pair, by brute force."""
-    rows, cols = np.arange(geometry.q_len)[:, None], np.arange(geometry.kv_len)[None, :]
-    aligned = rows + geometry.offset
-    seen = np.ones((geometry.q_len, geometry.kv_len), bool)
+    """bool [row blocks, k blocks]: which tiles hold a visible (query row, key) pair, by brute force."""
+    rows, cols = np.arange(geometry.num_rows)[:, None], np.arange(geometry.kv_len)[None, :]
+    aligned = rows // geometry.group + geometry.offset
+    seen = np.ones((geometry.num_rows, geometry.kv_len), bool)
     if geometry.window_left is not None:
         seen &= cols >= aligned - geometry.window_left
     if geometry.window_right is not None:
@@ -85,11 +85,13 @@ def _visible_tiles(geometry: Geometry) -> np.ndarray:
     return tiles
 
 
-@pytest.mark.parametrize(("q_len", "kv_len"), [(37, 37), (5, 70), (70, 9), (64, 128)])
+@pytest.mark.parametrize(("q_len", "kv_len", "group"), [(37, 37, 1), (5, 70, 1), (70, 9, 1), (64, 128, 1), (37, 37, 3),
+                                                         (1, 70, 4), (70, 9, 8)])
 @pytest.mark.parametrize("window", [(None, None), (None, 0), (7, 0), (3, 20), (0, 0), (40, None)])
-def test_block_loops_cover_every_visible_tile(q_len, kv_len, window):
-    """Each loop's [first, end) holds every tile with a visible pair (a missed one would drop keys)."""
-    geometry = Geometry(q_len, kv_len, 16, 32, 1, *window, 1.0, None, False)
+def test_block_loops_cover_every_visible_tile(q_len, kv_len, group, window):
+    """Each loop's [first, end) holds every tile with a visible pair (a missed one would drop keys); rows hold
+    the group's heads of each position."""
+    geometry = Geometry(q_len, kv_len, 16, 32, group, *window, 1.0, None, False)
     tiles = _visible_tiles(geometry)
     for q_block, k_block in itertools.product(range(geometry.num_q_blocks), range(geometry.num_k_blocks)):
         first, end = (int(x) for x in geometry.key_blocks(jnp.int32(q_block)))
@@ -123,8 +125,9 @@ def test_lowers_to_three_triton_kernels_for_an_h200(monkeypatch):
 
 
 def test_blocks_fit_short_sequences():
-    """One query against 70 keys: a block of 16 query rows (the Triton dot's minimum), not 128."""
-    call = make_call(causal=True, q_len=1, kv_len=70, dtype=jnp.bfloat16)
+    """A decode step, one query of 32 heads on 2 kv heads against 70 keys: the 16 heads of a group fill one
+    block of 16 rows (the Triton dot's minimum), not 128."""
+    call = make_call(causal=True, q_len=1, kv_len=70, heads=32, kv_heads=2, dtype=jnp.bfloat16)
     problem = Attention().prepare(call.query, call.key, call.value, causal=True)
     geometry = pallas_flash._geometry(problem, 128, 64)
-    assert (geometry.block_q, geometry.block_k, geometry.num_k_blocks) == (16, 64, 2)
+    assert (geometry.num_rows, geometry.block_q, geometry.block_k, geometry.num_k_blocks) == (16, 16, 64, 2)

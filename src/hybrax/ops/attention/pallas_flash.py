@@ -49,13 +49,13 @@ def _supports(inv: Invocation) -> str | None:
     return None
 
 
-# Blocks (block_q, block_k) by head dim (padded) for 16-bit inputs, forward and backward; fp32 inputs take
-# FP32_BLOCKS. Chosen offline (no GPU timed them yet): the largest tiles that upstream Triton 3.6 compiles for
-# sm_90 with every option on (segments, sinks, soft cap) without spilling registers or passing the H200's
-# shared memory (`scripts/triton_shared_memory.py --op attention`, 2026-12-04): forward 128 x 64 at D <= 128
-# (253 registers at D = 128), 64 x 32 at D = 256 (232); backward 64 x 64 at D = 128 (dK / dV 255 registers,
-# dQ 237), 64 x 32 at D = 64 and 256. fp32 dots take three tf32 passes and spill at every tile from D = 128
-# on (32 x 32: 56 bytes forward, 512 dK / dV): correct, but slow; 16-bit inputs are the fast path.
+# Blocks (block_q query rows, block_k keys) by head dim (padded) for 16-bit inputs, forward and backward; fp32
+# inputs take FP32_BLOCKS. Chosen offline (no GPU timed them yet): the largest tiles that upstream Triton 3.6
+# compiles for sm_90 with every option on (segments, sinks, soft cap) without spilling registers or passing the
+# H200's shared memory (`scripts/triton_shared_memory.py --op attention`, 2026-12-04; BENCHMARKS.md): forward
+# 128 x 64 at D <= 128 (253 registers at D = 128), 64 x 32 at D = 256 (235); backward 64 x 64 at D = 128 (dK / dV
+# 255 registers, dQ 238), 64 x 32 at D = 64 and 256. fp32 dots take three tf32 passes: from D = 128 on the
+# backward spills even at 32 x 32 (correct, but slow; 16-bit inputs are the fast path).
 FORWARD_BLOCKS = {64: (128, 64), 128: (128, 64), 256: (64, 32)}
 BACKWARD_BLOCKS = {64: (64, 32), 128: (64, 64), 256: (64, 32)}
 FP32_BLOCKS = (32, 32)
@@ -87,10 +87,10 @@ def _blocks(size: int, block: int) -> int:
 
 
 def _geometry(p: AttentionProblem, block_q: int, block_k: int) -> Geometry:
-    q_len, kv_len = p.query.shape[1], p.key.shape[1]
+    q_len, kv_len, group = p.query.shape[1], p.key.shape[1], p.query.shape[3]
     return Geometry(
-        q_len=q_len, kv_len=kv_len, block_q=_blocks(q_len, block_q), block_k=_blocks(kv_len, block_k),
-        group=p.query.shape[3], window_left=p.window_left, window_right=p.window_right, scale=p.softmax_scale,
+        q_len=q_len, kv_len=kv_len, block_q=_blocks(q_len * group, block_q), block_k=_blocks(kv_len, block_k),
+        group=group, window_left=p.window_left, window_right=p.window_right, scale=p.softmax_scale,
         soft_cap=p.logits_soft_cap, has_segments=p.q_segment_ids is not None,
     )
 
@@ -102,44 +102,64 @@ def _launch(geometry: Geometry, head_dim: int, dtype) -> dict:
     return {"num_warps": warps, "num_stages": 1 if dtype == jnp.float32 else 2, "interpret": interpret_here()}
 
 
+def _to_rows(x: jax.Array, geometry: Geometry, width: int | None = None) -> jax.Array:
+    """[B, Tq, K, G, ...] -> [B, K, R', ...]: row t * G + g is position t of head g; rows padded to whole
+    blocks (and the last axis to `width`)."""
+    batch, q_len, kv_heads, group = x.shape[:4]
+    rows = jnp.reshape(jnp.moveaxis(x, 1, 2), (batch, kv_heads, q_len * group, *x.shape[4:]))
+    rows = scores.pad_axis(rows, 2, geometry.num_q_blocks * geometry.block_q)
+    return rows if width is None else scores.pad_axis(rows, 3, width)
+
+
+def _from_rows(rows: jax.Array, geometry: Geometry, width: int | None = None) -> jax.Array:
+    """The inverse of `_to_rows`, keeping the first `width` entries of the last axis."""
+    batch, kv_heads = rows.shape[:2]
+    rows = rows[:, :, :geometry.num_rows] if width is None else rows[:, :, :geometry.num_rows, :width]
+    return jnp.moveaxis(jnp.reshape(rows, (batch, kv_heads, geometry.q_len, geometry.group, *rows.shape[3:])), 2, 1)
+
+
 def _padded_inputs(p: AttentionProblem, geometry: Geometry) -> dict:
-    """q [B, Tq', H, D'], k [B, Tk', KV, D'], v [B, Tk', KV, Dv'] and segment ids [B, Tq'] / [B, Tk'],
-    padded to whole blocks and power-of-two head dims."""
-    batch, q_len, kv_heads, group, head_dim = p.query.shape
-    q_rows, kv_rows = geometry.num_q_blocks * geometry.block_q, geometry.num_k_blocks * geometry.block_k
-    head_size, value_size = _padded_dim(head_dim), _padded_dim(p.value.shape[-1])
+    """q [B, K, R', D'] by row (`_to_rows`), k [B, Tk', K, D'], v [B, Tk', K, Dv'] and segment ids by row
+    [B, R'] and key [B, Tk'], padded to whole blocks and power-of-two head dims."""
+    kv_rows = geometry.num_k_blocks * geometry.block_k
+    head_size, value_size = _padded_dim(p.query.shape[-1]), _padded_dim(p.value.shape[-1])
 
-    def rows_and_width(x: jax.Array, rows: int, width: int) -> jax.Array:
-        return scores.pad_axis(scores.pad_axis(x, 1, rows), 3, width)
+    def keys_and_width(x: jax.Array, width: int) -> jax.Array:
+        return scores.pad_axis(scores.pad_axis(x, 1, kv_rows), 3, width)
 
-    query = jnp.reshape(p.query, (batch, q_len, kv_heads * group, head_dim))
+    q_segments = None
+    if p.q_segment_ids is not None:
+        by_row = jnp.repeat(p.q_segment_ids, geometry.group, axis=1)
+        q_segments = scores.pad_axis(by_row, 1, geometry.num_q_blocks * geometry.block_q, PADDING_SEGMENT)
     return dict(
-        q=rows_and_width(query, q_rows, head_size), k=rows_and_width(p.key, kv_rows, head_size),
-        v=rows_and_width(p.value, kv_rows, value_size),
-        q_segments=scores.pad_axis(p.q_segment_ids, 1, q_rows, PADDING_SEGMENT),
+        q=_to_rows(p.query, geometry, head_size), k=keys_and_width(p.key, head_size),
+        v=keys_and_width(p.value, value_size), q_segments=q_segments,
         kv_segments=scores.pad_axis(p.kv_segment_ids, 1, kv_rows, PADDING_SEGMENT),
     )
 
 
-def _sink_start(p: AttentionProblem) -> tuple[jax.Array | None, jax.Array | None]:
-    """Each head's sinks as the online softmax's starting (max, denominator), [H, 1] each."""
+def _sink_start(p: AttentionProblem, geometry: Geometry) -> dict:
+    """Each row's sinks as the online softmax's starting max and denominator, [K, R'] each (padded rows: 0, 1)."""
     if p.softmax_aux is None:
-        return None, None
-    sinks = jnp.reshape(p.softmax_aux, (-1, p.softmax_aux.shape[-1])).astype(jnp.float32)
-    sink_max = jnp.max(sinks, axis=-1, keepdims=True)
-    return sink_max, jnp.sum(jnp.exp(sinks - sink_max), axis=-1, keepdims=True)
+        return {"sink_max": None, "sink_sum": None}
+    sinks = p.softmax_aux.astype(jnp.float32)  # [K, G, S]
+    sink_max = jnp.max(sinks, axis=-1)
+    sink_sum = jnp.sum(jnp.exp(sinks - sink_max[..., None]), axis=-1)
+
+    def by_row(per_head: jax.Array, pad_value: float) -> jax.Array:
+        rows = jnp.tile(per_head, (1, geometry.q_len))  # row t * G + g holds head g
+        return scores.pad_axis(rows, 1, geometry.num_q_blocks * geometry.block_q, pad_value)
+
+    return {"sink_max": by_row(sink_max, 0.0), "sink_sum": by_row(sink_sum, 1.0)}
 
 
 def _forward(p: AttentionProblem, cfg: AttentionConfig) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, K, G, Dv], lse [B, K, G, Tq])."""
-    batch, q_len, kv_heads, group, _ = p.query.shape
-    v_dim = p.value.shape[-1]
     geometry = _geometry(p, cfg.block_q, cfg.block_k)
     inputs = _padded_inputs(p, geometry)
-    out, lse = flash_forward(**inputs, **dict(zip(("sink_max", "sink_sum"), _sink_start(p))), geometry=geometry,
+    out, lse = flash_forward(**inputs, **_sink_start(p, geometry), geometry=geometry,
                              **_launch(geometry, inputs["q"].shape[-1], p.dtype))
-    out = jnp.reshape(out[:, :q_len, :, :v_dim], (batch, q_len, kv_heads, group, v_dim))
-    return out, jnp.reshape(lse[:, :, :q_len], (batch, kv_heads, group, q_len))
+    return _from_rows(out, geometry, p.value.shape[-1]), jnp.moveaxis(_from_rows(lse, geometry), 1, 3)
 
 
 def _fwd(p: AttentionProblem, cfg: AttentionConfig) -> tuple[jax.Array, tuple]:
@@ -149,27 +169,22 @@ def _fwd(p: AttentionProblem, cfg: AttentionConfig) -> tuple[jax.Array, tuple]:
 
 def _bwd(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> AttentionProblem:
     p, out, lse = residuals
-    batch, q_len, kv_heads, group, head_dim = p.query.shape
-    kv_len, v_dim = p.key.shape[1], p.value.shape[-1]
+    head_dim, v_dim = p.query.shape[-1], p.value.shape[-1]
     geometry = _geometry(p, *_blocks_by_dim((head_dim, v_dim), p.dtype, BACKWARD_BLOCKS))
     inputs = _padded_inputs(p, geometry)
-    q_rows, heads = inputs["q"].shape[1], kv_heads * group
     delta = scores.row_delta(p, out, d_out)
-
-    def per_head_rows(x: jax.Array) -> jax.Array:  # [B, K, G, Tq] -> [B, H, Tq']; padded rows are invisible
-        return scores.pad_axis(jnp.reshape(x, (batch, heads, q_len)), 2, q_rows)
-
-    d_out_rows = jnp.reshape(d_out.astype(p.dtype), (batch, q_len, heads, v_dim))
-    d_out_rows = scores.pad_axis(scores.pad_axis(d_out_rows, 1, q_rows), 3, inputs["v"].shape[-1])
-    grads_in = dict(**inputs, d_out=d_out_rows, lse=per_head_rows(lse), delta=per_head_rows(delta))
+    by_row = dict(  # lse and delta [B, K, G, Tq] -> [B, K, R']; padded rows are invisible
+        lse=_to_rows(jnp.moveaxis(lse, 3, 1), geometry), delta=_to_rows(jnp.moveaxis(delta, 3, 1), geometry),
+        d_out=_to_rows(d_out.astype(p.dtype), geometry, inputs["v"].shape[-1]),
+    )
     launch = dict(geometry=geometry, **_launch(geometry, inputs["q"].shape[-1], p.dtype))
-    dq = flash_backward_dq(**grads_in, **launch)
-    dk, dv = flash_backward_dkdv(**grads_in, **launch)
+    dq = flash_backward_dq(**inputs, **by_row, **launch)
+    dk, dv = flash_backward_dkdv(**inputs, **by_row, **launch)
     return cotangent(
         p,
-        query=jnp.reshape(dq[:, :q_len, :, :head_dim], p.query.shape).astype(p.query.dtype),
-        key=dk[:, :kv_len, :, :head_dim].astype(p.key.dtype),
-        value=dv[:, :kv_len, :, :v_dim].astype(p.value.dtype),
+        query=_from_rows(dq, geometry, head_dim).astype(p.query.dtype),
+        key=dk[:, :p.key.shape[1], :, :head_dim],
+        value=dv[:, :p.key.shape[1], :, :v_dim],
         softmax_aux=scores.sink_grads(p, lse, delta),
     )
 

@@ -1,10 +1,9 @@
 """Flash attention backward in Pallas (Triton lowering), in two kernels that recompute the weights
 exp(logit - lse) tile by tile from the forward's logsumexp:
 
-- `flash_backward_dq`: one program per (query block, batch, query head) loops over its key blocks.
-- `flash_backward_dkdv`: one program per (key block, batch, query head) loops over the query blocks that
-  see it. Each query head writes its own fp32 partial dK / dV, and the launcher sums the heads of a group:
-  no atomics, and G times the programs of one per kv head (a GQA layer with few kv heads still fills the GPU).
+- `flash_backward_dq`: one program per (row block, batch, kv head) loops over its key blocks.
+- `flash_backward_dkdv`: one program per (key block, batch, kv head) loops over the row blocks that see it;
+  the rows hold every head of the group (`pallas_flash_tiles`), so dK / dV sum the group without atomics.
 
 With dP = dO V^T and delta = rowsum(dO * O): dS = W * (dP - delta), times cap's slope 1 - tanh^2 under a
 soft cap; dQ = scale dS K, dK = scale dS^T Q, dV = W^T dO.
@@ -86,31 +85,30 @@ def _dkdv_kernel(*refs, geometry: Geometry, interpret: bool) -> None:
     first, end = geometry.query_blocks(k_block)
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(first, end, step, zeros)
-    dk_ref[...] = dk * geometry.scale
-    dv_ref[...] = dv
+    dk_ref[...] = (dk * geometry.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _specs(geometry: Geometry, head_dim: int, v_dim: int, q_len: int, kv_len: int, per_query_block: bool):
-    """Block specs of (q, k, v, dO, lse, delta[, q segments, kv segments]) on the grid (block, batch, head):
-    blocks of the looping side's rows whole, the other side's rows by program."""
-    group, block_q, block_k = geometry.group, geometry.block_q, geometry.block_k
-    q_rows = block_q if per_query_block else q_len
-    kv_rows = kv_len if per_query_block else block_k
+def _specs(geometry: Geometry, head_dim: int, v_dim: int, rows: int, kv_len: int, per_query_block: bool):
+    """Block specs of (q, k, v, dO, lse, delta[, q segments, kv segments]) on the grid (block, batch, kv head):
+    the looping side's rows whole, the other side's rows by program."""
+    q_rows = geometry.block_q if per_query_block else rows
+    kv_rows = kv_len if per_query_block else geometry.block_k
 
     def q_index(i, b, h):
-        return (b, i if per_query_block else 0, h, 0)
+        return (b, h, i if per_query_block else 0, 0)
 
     def kv_index(i, b, h):
-        return (b, 0 if per_query_block else i, h // group, 0)
+        return (b, 0 if per_query_block else i, h, 0)
 
     def row_index(i, b, h):
         return (b, h, i if per_query_block else 0)
 
     specs = [
-        pl.BlockSpec((None, q_rows, None, head_dim), q_index),
+        pl.BlockSpec((None, None, q_rows, head_dim), q_index),
         pl.BlockSpec((None, kv_rows, None, head_dim), kv_index),
         pl.BlockSpec((None, kv_rows, None, v_dim), kv_index),
-        pl.BlockSpec((None, q_rows, None, v_dim), q_index),
+        pl.BlockSpec((None, None, q_rows, v_dim), q_index),
         pl.BlockSpec((None, None, q_rows), row_index),
         pl.BlockSpec((None, None, q_rows), row_index),
     ]
@@ -125,18 +123,19 @@ _STATIC = ("geometry", "num_warps", "num_stages", "interpret")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def flash_backward_dq(
-    q: Float[Array, "B Tq H D"], k: Float[Array, "B Tk KV D"], v: Float[Array, "B Tk KV Dv"],
-    d_out: Float[Array, "B Tq H Dv"], lse: Float[Array, "B H Tq"], delta: Float[Array, "B H Tq"],
-    q_segments: Int[Array, "B Tq"] | None, kv_segments: Int[Array, "B Tk"] | None,
+    q: Float[Array, "B KV R D"], k: Float[Array, "B Tk KV D"], v: Float[Array, "B Tk KV Dv"],
+    d_out: Float[Array, "B KV R Dv"], lse: Float[Array, "B KV R"], delta: Float[Array, "B KV R"],
+    q_segments: Int[Array, "B R"] | None, kv_segments: Int[Array, "B Tk"] | None,
     *, geometry: Geometry, num_warps: int, num_stages: int, interpret: bool,
-) -> Float[Array, "B Tq H D"]:
-    batch, q_len, heads, head_dim = q.shape
+) -> Float[Array, "B KV R D"]:
+    """dQ by query row, in the layout of `pallas_flash_fwd.flash_forward`."""
+    batch, kv_heads, rows, head_dim = q.shape
     arrays = [q, k, v, d_out, lse, delta] + ([q_segments, kv_segments] if geometry.has_segments else [])
     return pl.pallas_call(
         functools.partial(_dq_kernel, geometry=geometry, interpret=interpret),
-        grid=(q_len // geometry.block_q, batch, heads),
-        in_specs=_specs(geometry, head_dim, v.shape[3], q_len, k.shape[1], per_query_block=True),
-        out_specs=pl.BlockSpec((None, geometry.block_q, None, head_dim), lambda i, b, h: (b, i, h, 0)),
+        grid=(rows // geometry.block_q, batch, kv_heads),
+        in_specs=_specs(geometry, head_dim, v.shape[3], rows, k.shape[1], per_query_block=True),
+        out_specs=pl.BlockSpec((None, None, geometry.block_q, head_dim), lambda i, b, h: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -146,29 +145,23 @@ def flash_backward_dq(
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def flash_backward_dkdv(
-    q: Float[Array, "B Tq H D"], k: Float[Array, "B Tk KV D"], v: Float[Array, "B Tk KV Dv"],
-    d_out: Float[Array, "B Tq H Dv"], lse: Float[Array, "B H Tq"], delta: Float[Array, "B H Tq"],
-    q_segments: Int[Array, "B Tq"] | None, kv_segments: Int[Array, "B Tk"] | None,
+    q: Float[Array, "B KV R D"], k: Float[Array, "B Tk KV D"], v: Float[Array, "B Tk KV Dv"],
+    d_out: Float[Array, "B KV R Dv"], lse: Float[Array, "B KV R"], delta: Float[Array, "B KV R"],
+    q_segments: Int[Array, "B R"] | None, kv_segments: Int[Array, "B Tk"] | None,
     *, geometry: Geometry, num_warps: int, num_stages: int, interpret: bool,
 ) -> tuple[Float[Array, "B Tk KV D"], Float[Array, "B Tk KV Dv"]]:
-    """(dK, dV) in fp32, summed over each kv head's group."""
-    batch, q_len, heads, head_dim = q.shape
-    kv_len, kv_heads, v_dim = k.shape[1], k.shape[2], v.shape[3]
+    """(dK, dV) in the inputs' dtype."""
+    batch, kv_heads, rows, head_dim = q.shape
+    kv_len, v_dim = k.shape[1], v.shape[3]
     arrays = [q, k, v, d_out, lse, delta] + ([q_segments, kv_segments] if geometry.has_segments else [])
-    dk, dv = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_dkdv_kernel, geometry=geometry, interpret=interpret),
-        grid=(kv_len // geometry.block_k, batch, heads),
-        in_specs=_specs(geometry, head_dim, v_dim, q_len, kv_len, per_query_block=False),
+        grid=(kv_len // geometry.block_k, batch, kv_heads),
+        in_specs=_specs(geometry, head_dim, v_dim, rows, kv_len, per_query_block=False),
         out_specs=[pl.BlockSpec((None, geometry.block_k, None, head_dim), lambda i, b, h: (b, i, h, 0)),
                    pl.BlockSpec((None, geometry.block_k, None, v_dim), lambda i, b, h: (b, i, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, kv_len, heads, v_dim), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="hybrax_flash_attention_bwd_dkdv",
     )(*arrays)
-
-    def group_sum(x: jax.Array) -> jax.Array:
-        return jnp.sum(jnp.reshape(x, (batch, kv_len, kv_heads, geometry.group, x.shape[-1])), axis=3)
-
-    return group_sum(dk), group_sum(dv)

@@ -1,9 +1,9 @@
 """Flash attention forward in Pallas (Triton lowering): the output and each query row's logsumexp.
 
-One program per (query block, batch, query head) keeps its [block_q, D] queries in registers and runs the
-online softmax over the key blocks its window can see (`Geometry.key_blocks`), reading them from the kv
-head its group shares. Attention sinks start the running max and denominator (they join it without a
-value); a row that sees no key and no sink writes zeros and a logsumexp of +inf, so that the backward's
+One program per (row block, batch, kv head) keeps its [block_q, D] query rows (positions x the group's heads,
+`pallas_flash_tiles`) in registers and runs the online softmax over the key blocks its window can see
+(`Geometry.key_blocks`). Attention sinks start each row's running max and denominator (they join it without
+a value); a row that sees no key and no sink writes zeros and a logsumexp of +inf, so that the backward's
 weights exp(logit - lse) are 0 there.
 """
 
@@ -51,7 +51,7 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
         return new_max, row_sum, acc
 
     if has_sinks:
-        start = (jnp.broadcast_to(sink_max_ref[...], (block_q,)), jnp.broadcast_to(sink_sum_ref[...], (block_q,)))
+        start = (sink_max_ref[...], sink_sum_ref[...])
     else:
         start = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
     acc = jnp.zeros((block_q, out_ref.shape[-1]), jnp.float32)
@@ -64,46 +64,47 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
 
 @functools.partial(jax.jit, static_argnames=("geometry", "num_warps", "num_stages", "interpret"))
 def flash_forward(
-    q: Float[Array, "B Tq H D"],
+    q: Float[Array, "B KV R D"],
     k: Float[Array, "B Tk KV D"],
     v: Float[Array, "B Tk KV Dv"],
-    q_segments: Int[Array, "B Tq"] | None,
+    q_segments: Int[Array, "B R"] | None,
     kv_segments: Int[Array, "B Tk"] | None,
-    sink_max: Float[Array, "H 1"] | None,
-    sink_sum: Float[Array, "H 1"] | None,
+    sink_max: Float[Array, "KV R"] | None,
+    sink_sum: Float[Array, "KV R"] | None,
     *,
     geometry: Geometry,
     num_warps: int,
     num_stages: int,
     interpret: bool,
-) -> tuple[Float[Array, "B Tq H Dv"], Float[Array, "B H Tq"]]:
-    """(out, lse) of inputs padded to whole blocks (Tq, Tk) and to power-of-two head dims."""
-    batch, q_len, heads, head_dim = q.shape
+) -> tuple[Float[Array, "B KV R Dv"], Float[Array, "B KV R"]]:
+    """(out, lse) by query row (R = q_len * group rows per kv head, segment ids and sinks by row), the rows and
+    Tk padded to whole blocks and the head dims to powers of two."""
+    batch, kv_heads, rows, head_dim = q.shape
     kv_len, v_dim = k.shape[1], v.shape[3]
-    group = geometry.group
+    block_q = geometry.block_q
     arrays = [q, k, v]
     in_specs = [
-        pl.BlockSpec((None, geometry.block_q, None, head_dim), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
-        pl.BlockSpec((None, kv_len, None, v_dim), lambda i, b, h: (b, 0, h // group, 0)),
+        pl.BlockSpec((None, None, block_q, head_dim), lambda i, b, h: (b, h, i, 0)),
+        pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, kv_len, None, v_dim), lambda i, b, h: (b, 0, h, 0)),
     ]
     if geometry.has_segments:
         arrays += [q_segments, kv_segments]
-        in_specs += [pl.BlockSpec((None, geometry.block_q), lambda i, b, h: (b, i)),
+        in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
                      pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0))]
     if sink_max is not None:
         arrays += [sink_max, sink_sum]
-        in_specs += [pl.BlockSpec((None, 1), lambda i, b, h: (h, 0))] * 2
+        in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (h, i))] * 2
     kernel = functools.partial(_forward_kernel, geometry=geometry, has_sinks=sink_max is not None,
                                interpret=interpret)
     return pl.pallas_call(
         kernel,
-        grid=(q_len // geometry.block_q, batch, heads),
+        grid=(rows // block_q, batch, kv_heads),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, geometry.block_q, None, v_dim), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, geometry.block_q), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct((batch, q_len, heads, v_dim), q.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, None, block_q, v_dim), lambda i, b, h: (b, h, i, 0)),
+                   pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, rows, v_dim), q.dtype),
+                   jax.ShapeDtypeStruct((batch, kv_heads, rows), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="hybrax_flash_attention_fwd",

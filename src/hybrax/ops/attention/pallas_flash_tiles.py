@@ -1,9 +1,14 @@
 """What the flash attention kernels share: the static geometry of a call (blocks, window, alignment) and the
 score tile every kernel recomputes the same way.
 
+The query heads of a group share their kv head, so the kernels take them together: row r of a kv head's
+[q_len * group, D] query rows is query position r // group of head r % group. A block of rows then reads
+each key block once for all heads of the group, and a decode step (q_len = 1) fills its rows with the
+group's heads instead of padding.
+
 Positions are hybrax's: query i sits at the aligned position i + kv_len - q_len, and key j is visible when
 the window allows it around that position, j < kv_len, i < q_len, and the segment ids match (id -1 sees
-nothing). Key blocks a query block cannot see, and query blocks a key block cannot be seen by, are never
+nothing). Key blocks a row block cannot see, and row blocks a key block cannot be seen by, are never
 loaded: the kernels' loops run over `key_blocks` / `query_blocks` only.
 """
 
@@ -22,9 +27,9 @@ from hybrax.ops.pallas_shared import mm_t
 class Geometry(NamedTuple):
     """Static description of one call's tiling (hashable: a jit static argument)."""
 
-    q_len: int
+    q_len: int  # query positions
     kv_len: int
-    block_q: int
+    block_q: int  # query rows (position, head of the group) per block
     block_k: int
     group: int  # query heads per kv head
     window_left: int | None
@@ -39,47 +44,55 @@ class Geometry(NamedTuple):
         return self.kv_len - self.q_len
 
     @property
+    def num_rows(self) -> int:
+        return self.q_len * self.group
+
+    @property
     def num_q_blocks(self) -> int:
-        return -(-self.q_len // self.block_q)
+        return -(-self.num_rows // self.block_q)
 
     @property
     def num_k_blocks(self) -> int:
         return -(-self.kv_len // self.block_k)
 
     def key_blocks(self, q_block: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """[first, end) of the key blocks that query block `q_block` may see."""
-        first_row = q_block * self.block_q
+        """[first, end) of the key blocks that row block `q_block` may see."""
+        first_position = q_block * self.block_q // self.group
+        last_position = (q_block * self.block_q + self.block_q - 1) // self.group
         first, end = jnp.int32(0), jnp.int32(self.num_k_blocks)
         if self.window_left is not None:
-            first = jnp.maximum(first_row + self.offset - self.window_left, 0) // self.block_k
+            first = jnp.maximum(first_position + self.offset - self.window_left, 0) // self.block_k
         if self.window_right is not None:
-            last_key = first_row + self.block_q - 1 + self.offset + self.window_right
+            last_key = last_position + self.offset + self.window_right
             end = jnp.minimum((jnp.maximum(last_key, -1) + self.block_k) // self.block_k, end)
         return first, end
 
     def query_blocks(self, k_block: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """[first, end) of the query blocks that may see key block `k_block`."""
+        """[first, end) of the row blocks that may see key block `k_block`."""
         first_key = k_block * self.block_k
         first, end = jnp.int32(0), jnp.int32(self.num_q_blocks)
         if self.window_right is not None:
-            first = jnp.maximum(first_key - self.window_right - self.offset, 0) // self.block_q
+            first_position = jnp.maximum(first_key - self.window_right - self.offset, 0)
+            first = first_position * self.group // self.block_q
         if self.window_left is not None:
-            last_row = first_key + self.block_k - 1 + self.window_left - self.offset
-            end = jnp.minimum((jnp.maximum(last_row, -1) + self.block_q) // self.block_q, end)
+            last_position = first_key + self.block_k - 1 + self.window_left - self.offset
+            last_row = jnp.maximum(last_position * self.group + self.group - 1, -1)
+            end = jnp.minimum((last_row + self.block_q) // self.block_q, end)
         return first, end
 
     def visible(
         self, q_block: jax.Array, k_block: jax.Array, q_segments: jax.Array | None, kv_segments: jax.Array | None
     ) -> jax.Array:
-        """bool [block_q, block_k]: which keys of the tile each query sees."""
+        """bool [block_q, block_k]: which keys of the tile each query row sees (`q_segments` by row)."""
         # A column of rows and a row of columns: comparisons broadcast them, and neither index is held per entry.
         rows = (q_block * self.block_q + lax.iota(jnp.int32, self.block_q))[:, None]
+        positions = rows // self.group if self.group > 1 else rows
         cols = (k_block * self.block_k + lax.iota(jnp.int32, self.block_k))[None, :]
-        seen = (rows < self.q_len) & (cols < self.kv_len)
+        seen = (rows < self.num_rows) & (cols < self.kv_len)
         if self.window_left is not None:
-            seen &= cols >= rows + (self.offset - self.window_left)
+            seen &= cols >= positions + (self.offset - self.window_left)
         if self.window_right is not None:
-            seen &= cols <= rows + (self.offset + self.window_right)
+            seen &= cols <= positions + (self.offset + self.window_right)
         if self.has_segments:
             seen &= (q_segments[:, None] == kv_segments[None, :]) & (q_segments[:, None] != PADDING_SEGMENT)
         return seen
