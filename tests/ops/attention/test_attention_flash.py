@@ -70,40 +70,48 @@ def test_rows_that_see_nothing_give_zeros_and_zero_gradients():
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
 
 
-def _visible_tiles(geometry: Geometry) -> np.ndarray:
-    """bool [row blocks, k blocks]: which tiles hold a visible (query row, key) pair, by brute force."""
-    rows, cols = np.arange(geometry.num_rows)[:, None], np.arange(geometry.kv_len)[None, :]
+def _tile_visibility(geometry: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """bool [row blocks, k blocks] twice, by brute force: tiles with some visible (query row, key) pair, and
+    tiles whose every pair is visible (real rows and keys, inside the window)."""
+    rows, cols = np.arange(geometry.num_q_blocks * geometry.block_q)[:, None], np.arange(
+        geometry.num_k_blocks * geometry.block_k)[None, :]
     aligned = rows // geometry.group + geometry.offset
-    seen = np.ones((geometry.num_rows, geometry.kv_len), bool)
+    seen = (rows < geometry.num_rows) & (cols < geometry.kv_len)
     if geometry.window_left is not None:
         seen &= cols >= aligned - geometry.window_left
     if geometry.window_right is not None:
         seen &= cols <= aligned + geometry.window_right
-    tiles = np.zeros((geometry.num_q_blocks, geometry.num_k_blocks), bool)
-    for i, j in zip(*np.nonzero(seen)):
-        tiles[i // geometry.block_q, j // geometry.block_k] = True
-    return tiles
+    tiles = seen.reshape(geometry.num_q_blocks, geometry.block_q, geometry.num_k_blocks, geometry.block_k)
+    return tiles.any(axis=(1, 3)), tiles.all(axis=(1, 3))
 
 
 @pytest.mark.parametrize(("q_len", "kv_len", "group"), [(37, 37, 1), (5, 70, 1), (70, 9, 1), (64, 128, 1), (37, 37, 3),
-                                                         (1, 70, 4), (70, 9, 8)])
+                                                         (1, 70, 4), (70, 9, 8), (64, 64, 2)])
 @pytest.mark.parametrize("window", [(None, None), (None, 0), (7, 0), (3, 20), (0, 0), (40, None)])
 def test_block_loops_cover_every_visible_tile(q_len, kv_len, group, window):
-    """Each loop's [first, end) holds every tile with a visible pair (a missed one would drop keys); rows hold
-    the group's heads of each position."""
+    """Each loop's [first, end) holds every tile with a visible pair (a missed one would drop keys), and its
+    unmasked part only tiles whose every pair is visible (else hidden keys would count); rows hold the group's
+    heads of each position."""
     geometry = Geometry(q_len, kv_len, 16, 32, group, *window, 1.0, None, False)
-    tiles = _visible_tiles(geometry)
+    any_seen, all_seen = _tile_visibility(geometry)
     for q_block, k_block in itertools.product(range(geometry.num_q_blocks), range(geometry.num_k_blocks)):
-        first, end = (int(x) for x in geometry.key_blocks(jnp.int32(q_block)))
-        if tiles[q_block, k_block]:
-            assert first <= k_block < end, f"query block {q_block} skips key block {k_block}"
-        first, end = (int(x) for x in geometry.query_blocks(jnp.int32(k_block)))
-        if tiles[q_block, k_block]:
-            assert first <= q_block < end, f"key block {k_block} skips query block {q_block}"
-    # And the loops skip: a causal square call visits about half of the tiles.
-    if window == (None, 0) and q_len == kv_len:
-        visited = sum(int(end - first) for first, end in map(geometry.key_blocks, jnp.arange(geometry.num_q_blocks)))
-        assert visited < geometry.num_q_blocks * geometry.num_k_blocks
+        for index, (bounds, whole) in ((k_block, _ranges(geometry.key_blocks, geometry.whole_key_blocks, q_block)),
+                                       (q_block, _ranges(geometry.query_blocks, geometry.whole_query_blocks, k_block))):
+            assert bounds[0] <= whole[0] <= whole[1] <= bounds[1]
+            if any_seen[q_block, k_block]:
+                assert bounds[0] <= index < bounds[1], f"tile ({q_block}, {k_block}) skipped"
+            if whole[0] <= index < whole[1]:
+                assert all_seen[q_block, k_block], f"tile ({q_block}, {k_block}) unmasked but not all visible"
+    # And the loops skip and leave masks off: a long causal call visits about half of the tiles, most unmasked.
+    if window == (None, 0) and q_len == kv_len == 64:
+        ranges = [_ranges(geometry.key_blocks, geometry.whole_key_blocks, i) for i in range(geometry.num_q_blocks)]
+        assert sum(end - first for (first, end), _ in ranges) < geometry.num_q_blocks * geometry.num_k_blocks
+        assert sum(end - first for _, (first, end) in ranges) > 0
+
+
+def _ranges(bounds_of, whole_of, block: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    bounds = bounds_of(jnp.int32(block))
+    return tuple(int(x) for x in bounds), tuple(int(x) for x in whole_of(jnp.int32(block), *bounds))
 
 
 def test_lowers_to_three_triton_kernels_for_an_h200(monkeypatch):

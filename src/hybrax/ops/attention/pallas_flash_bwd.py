@@ -15,21 +15,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from hybrax.ops.attention.pallas_flash_tiles import Geometry
+from hybrax.ops.attention.pallas_flash_tiles import Geometry, masked_loop
 from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, mm_tn
 
 
 def _tile_grads(geometry: Geometry, q_block, k_block, q, k, v, d_out, lse, delta, q_segments, kv_segments,
-                dtype, precision) -> tuple[jax.Array, jax.Array]:
-    """(weights W, logit cotangents dS) of one [block_q, block_k] tile, fp32."""
+                dtype, precision, masked: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights W, logit cotangents dS) of one [block_q, block_k] tile, fp32; `masked`: apply visibility."""
     logits, tanh = geometry.logits(q, k, dtype, precision)
-    seen = geometry.visible(q_block, k_block, q_segments, kv_segments)
-    weights = jnp.where(seen, jnp.exp(logits - lse[:, None]), 0.0)
+    weights = jnp.exp(logits - lse[:, None])
+    if masked:
+        weights = jnp.where(geometry.visible(q_block, k_block, q_segments, kv_segments), weights, 0.0)
     d_logits = weights * (mm_t(d_out, v, dtype, precision) - delta[:, None])
     if tanh is not None:
         d_logits = d_logits * (1.0 - tanh * tanh)
@@ -52,16 +52,16 @@ def _dq_kernel(*refs, geometry: Geometry, interpret: bool) -> None:
     q, d_out, lse, delta = q_ref[...], d_out_ref[...], lse_ref[...], delta_ref[...]
     q_segments = None if q_segment_ref is None else q_segment_ref[...]
 
-    def step(k_block: jax.Array, dq: jax.Array) -> jax.Array:
+    def step(k_block: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
         keys = pl.ds(k_block * geometry.block_k, geometry.block_k)
         k = k_ref[keys, :]
-        kv_segments = None if kv_segment_ref is None else kv_segment_ref[keys]
+        kv_segments = None if kv_segment_ref is None or not masked else kv_segment_ref[keys]
         _, d_logits = _tile_grads(geometry, q_block, k_block, q, k, v_ref[keys, :], d_out, lse, delta,
-                                  q_segments, kv_segments, dtype, precision)
+                                  q_segments, kv_segments, dtype, precision, masked)
         return dq + mm(d_logits, k, dtype, precision)
 
-    first, end = geometry.key_blocks(q_block)
-    dq = lax.fori_loop(first, end, step, jnp.zeros(q.shape, jnp.float32))
+    bounds = geometry.key_blocks(q_block)
+    dq = masked_loop(bounds, geometry.whole_key_blocks(q_block, *bounds), step, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * geometry.scale).astype(dq_ref.dtype)
 
 
@@ -73,18 +73,18 @@ def _dkdv_kernel(*refs, geometry: Geometry, interpret: bool) -> None:
     k, v = k_ref[...], v_ref[...]
     kv_segments = None if kv_segment_ref is None else kv_segment_ref[...]
 
-    def step(q_block: jax.Array, carry: tuple) -> tuple:
+    def step(q_block: jax.Array, carry: tuple, masked: bool) -> tuple:
         dk, dv = carry
         rows = pl.ds(q_block * geometry.block_q, geometry.block_q)
         q, d_out = q_ref[rows, :], d_out_ref[rows, :]
-        q_segments = None if q_segment_ref is None else q_segment_ref[rows]
+        q_segments = None if q_segment_ref is None or not masked else q_segment_ref[rows]
         weights, d_logits = _tile_grads(geometry, q_block, k_block, q, k, v, d_out, lse_ref[rows],
-                                        delta_ref[rows], q_segments, kv_segments, dtype, precision)
+                                        delta_ref[rows], q_segments, kv_segments, dtype, precision, masked)
         return dk + mm_tn(d_logits, q, dtype, precision), dv + mm_tn(weights, d_out, dtype, precision)
 
-    first, end = geometry.query_blocks(k_block)
+    bounds = geometry.query_blocks(k_block)
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(first, end, step, zeros)
+    dk, dv = masked_loop(bounds, geometry.whole_query_blocks(k_block, *bounds), step, zeros)
     dk_ref[...] = (dk * geometry.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 

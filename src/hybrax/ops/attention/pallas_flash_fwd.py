@@ -13,12 +13,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from hybrax.ops.attention.pallas_flash_tiles import Geometry
+from hybrax.ops.attention.pallas_flash_tiles import Geometry, masked_loop
 from hybrax.ops.pallas_shared import dot_settings, mm
 
 
@@ -36,12 +35,13 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
     q = q_ref[...]
     q_segments = None if q_segment_ref is None else q_segment_ref[...]
 
-    def step(k_block: jax.Array, carry: tuple) -> tuple:
+    def step(k_block: jax.Array, carry: tuple, masked: bool) -> tuple:
         row_max, row_sum, acc = carry
         keys = pl.ds(k_block * block_k, block_k)
-        kv_segments = None if kv_segment_ref is None else kv_segment_ref[keys]
         logits, _ = geometry.logits(q, k_ref[keys, :], dtype, precision)
-        logits = jnp.where(geometry.visible(q_block, k_block, q_segments, kv_segments), logits, -jnp.inf)
+        if masked:
+            kv_segments = None if kv_segment_ref is None else kv_segment_ref[keys]
+            logits = jnp.where(geometry.visible(q_block, k_block, q_segments, kv_segments), logits, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows that have seen nothing yet: no inf - inf
         weights = jnp.exp(logits - shift[:, None])
@@ -55,8 +55,8 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
     else:
         start = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
     acc = jnp.zeros((block_q, out_ref.shape[-1]), jnp.float32)
-    first, end = geometry.key_blocks(q_block)
-    row_max, row_sum, acc = lax.fori_loop(first, end, step, (*start, acc))
+    bounds = geometry.key_blocks(q_block)
+    row_max, row_sum, acc = masked_loop(bounds, geometry.whole_key_blocks(q_block, *bounds), step, (*start, acc))
     seen_any = row_sum > 0
     out_ref[...] = (acc / jnp.where(seen_any, row_sum, 1.0)[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen_any, row_max + jnp.log(row_sum), jnp.inf)

@@ -80,6 +80,41 @@ class Geometry(NamedTuple):
             end = jnp.minimum((last_row + self.block_q) // self.block_q, end)
         return first, end
 
+    def whole_key_blocks(self, q_block: jax.Array, first: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[a, b) within [first, end): key blocks that every row of row block `q_block` sees whole, whose tiles
+        need no mask (empty with segment ids, which only a mask can apply)."""
+        if self.has_segments:
+            return end, end
+        first_row = q_block * self.block_q
+        last_row = first_row + self.block_q - 1
+        whole_first, whole_end = first, jnp.minimum(end, self.kv_len // self.block_k)
+        if self.window_left is not None:  # key >= last position + offset - left
+            lowest_key = last_row // self.group + self.offset - self.window_left
+            whole_first = jnp.maximum(whole_first, (jnp.maximum(lowest_key, 0) + self.block_k - 1) // self.block_k)
+        if self.window_right is not None:  # key <= first position + offset + right
+            keys_below = first_row // self.group + self.offset + self.window_right + 1
+            whole_end = jnp.minimum(whole_end, jnp.maximum(keys_below, 0) // self.block_k)
+        whole_first = jnp.minimum(whole_first, end)
+        whole_end = jnp.where(last_row < self.num_rows, jnp.maximum(whole_end, whole_first), whole_first)
+        return whole_first, whole_end
+
+    def whole_query_blocks(self, k_block: jax.Array, first: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[a, b) within [first, end): row blocks whose every row sees key block `k_block` whole (no mask)."""
+        if self.has_segments:
+            return end, end
+        first_key = k_block * self.block_k
+        last_key = first_key + self.block_k - 1
+        whole_first, whole_end = first, jnp.minimum(end, self.num_rows // self.block_q)
+        if self.window_right is not None:  # first position of the block >= last key - offset - right
+            lowest_position = jnp.maximum(last_key - self.offset - self.window_right, 0)
+            whole_first = jnp.maximum(whole_first, (lowest_position * self.group + self.block_q - 1) // self.block_q)
+        if self.window_left is not None:  # last position of the block <= first key - offset + left
+            rows_below = (first_key - self.offset + self.window_left + 1) * self.group
+            whole_end = jnp.minimum(whole_end, jnp.maximum(rows_below, 0) // self.block_q)
+        whole_first = jnp.minimum(whole_first, end)
+        whole_end = jnp.where(last_key < self.kv_len, jnp.maximum(whole_end, whole_first), whole_first)
+        return whole_first, whole_end
+
     def visible(
         self, q_block: jax.Array, k_block: jax.Array, q_segments: jax.Array | None, kv_segments: jax.Array | None
     ) -> jax.Array:
@@ -106,3 +141,11 @@ class Geometry(NamedTuple):
         tanh = jnp.tanh(logits / self.soft_cap)
         return self.soft_cap * tanh, tanh
 
+
+def masked_loop(bounds: tuple[jax.Array, jax.Array], whole: tuple[jax.Array, jax.Array], step, carry):
+    """carry after step(index, carry, masked) over bounds [first, end), unmasked on `whole` [a, b) within it:
+    tiles that every row sees whole skip the visibility mask (most tiles of a long causal or windowed call)."""
+    (first, end), (whole_first, whole_end) = bounds, whole
+    carry = lax.fori_loop(first, whole_first, lambda index, c: step(index, c, True), carry)
+    carry = lax.fori_loop(whole_first, whole_end, lambda index, c: step(index, c, False), carry)
+    return lax.fori_loop(whole_end, end, lambda index, c: step(index, c, True), carry)
