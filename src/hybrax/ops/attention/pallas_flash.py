@@ -53,7 +53,7 @@ def _supports(inv: Invocation) -> str | None:
 # inputs take FP32_BLOCKS. Chosen offline (no GPU timed them yet): the largest tiles that upstream Triton 3.6
 # compiles for sm_90 with every option on (segments, sinks, soft cap) without spilling registers or passing the
 # H200's shared memory (`scripts/triton_shared_memory.py --op attention`, 2026-12-04; BENCHMARKS.md): forward
-# 128 x 64 at D <= 128 (253 registers at D = 128), 64 x 32 at D = 256 (235); backward 64 x 64 at D = 128 (dK / dV
+# 128 x 64 at D <= 128 (252 registers at D = 128), 64 x 32 at D = 256 (235); backward 64 x 64 at D = 128 (dK / dV
 # 255 registers, dQ 238), 64 x 32 at D = 64 and 256. fp32 dots take three tf32 passes: from D = 128 on the
 # backward spills even at 32 x 32 (correct, but slow; 16-bit inputs are the fast path).
 FORWARD_BLOCKS = {64: (128, 64), 128: (128, 64), 256: (64, 32)}
@@ -77,8 +77,9 @@ def _heuristic(inv: Invocation) -> AttentionConfig:
 def _candidates(inv: Invocation) -> list[AttentionConfig]:
     """The heuristic's blocks and their halves (the Triton dot's minimum of 16 permitting)."""
     best = _heuristic(inv)
-    return [AttentionConfig(block_q=bq, block_k=bk) for bq in {max(best.block_q // 2, MIN_DOT), best.block_q}
-            for bk in {max(best.block_k // 2, MIN_DOT), best.block_k}]
+    block_qs = sorted({max(best.block_q // 2, MIN_DOT), best.block_q})
+    return [AttentionConfig(block_q=bq, block_k=bk) for bq in block_qs
+            for bk in sorted({max(best.block_k // 2, MIN_DOT), best.block_k})]
 
 
 def _blocks(size: int, block: int) -> int:
@@ -189,6 +190,7 @@ def _bwd(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> AttentionP
     )
 
 
+# devices=(): `auto` never picks it until a GPU has checked and timed it (platform="pallas" runs it anywhere).
 @register(OP_ID, "pallas", "flash", priority=5, devices=(), supports=_supports, heuristic_cfg=_heuristic,
           candidate_cfgs=_candidates, fwd=_fwd, bwd=_bwd)
 def flash(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G Dv"]:
