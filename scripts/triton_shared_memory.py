@@ -158,22 +158,25 @@ def decode_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, s
     return triton_calls(lower_for_h200(step, *args), directory)
 
 
-def attention_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, str]]:
+def attention_calls(dtype, dim: int, directory: str, extras: bool = True) -> list[tuple[str, int, int, str]]:
     """The flash attention kernels (forward, backward dQ and dK / dV) of a causal GQA call, T = 2048, 32 query
-    heads on 8 kv heads, with the heuristic's blocks; segment ids, sinks and soft cap on, so every option's
-    code is in."""
+    heads on 8 kv heads, with the heuristic's blocks; with `extras` segment ids, sinks, soft cap, a bias and a
+    mask on, so every option's code is in."""
     batch, length, heads, kv_heads = 1, 2048, 32, 8
     args = [jax.ShapeDtypeStruct((batch, length, n, dim), dtype) for n in (heads, kv_heads, kv_heads)]
-    args += [jax.ShapeDtypeStruct((batch, length), jnp.int32), jax.ShapeDtypeStruct((heads, 1), jnp.float32)]
+    args += [jax.ShapeDtypeStruct((batch, length), jnp.int32), jax.ShapeDtypeStruct((heads, 1), jnp.float32),
+             jax.ShapeDtypeStruct((batch, heads, length, length), jnp.float32),
+             jax.ShapeDtypeStruct((batch, 1, length, length), jnp.bool_)]
 
-    def loss(q, k, v, segments, sinks):
-        out = attention(q, k, v, None, None, sinks, mask_info=MaskInfo.from_segments(segments), causal=True,
-                        logits_soft_cap=30.0, cfg=AttentionConfig("pallas", "flash"))
+    def loss(q, k, v, segments, sinks, bias, mask):
+        options = dict(logits_soft_cap=30.0, mask_info=MaskInfo(segments, segments, mask)) if extras else {}
+        out = attention(q, k, v, bias if extras else None, None, sinks if extras else None, causal=True,
+                        cfg=AttentionConfig("pallas", "flash"), **options)
         return jnp.sum(out.astype(jnp.float32))
 
     # Lowered here for a GPU: the kernels must be compiled, not interpreted as they are on this CPU.
     with mock.patch.object(pallas_flash, "interpret_here", lambda: False):
-        return triton_calls(lower_for_h200(jax.grad(loss, argnums=(0, 1, 2, 4)), *args), directory)
+        return triton_calls(lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), *args), directory)
 
 
 def main() -> None:
@@ -184,6 +187,7 @@ def main() -> None:
     parser.add_argument("--op", default="chunked", choices=["chunked", "decode", "attention"])
     parser.add_argument("--chunk", type=int, default=64, help="the chunked path's chunk size")
     parser.add_argument("--packed", action="store_true", help="packed sequences (cu_seqlens), read in place")
+    parser.add_argument("--plain", action="store_true", help="attention: causal only, no extras")
     args = parser.parse_args()
     dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.dtype]
     with tempfile.TemporaryDirectory() as directory:
@@ -192,7 +196,7 @@ def main() -> None:
         elif args.op == "decode":
             calls = decode_calls(dtype, args.dim, directory)
         else:
-            calls = attention_calls(dtype, args.dim, directory)
+            calls = attention_calls(dtype, args.dim, directory, extras=not args.plain)
         compiled = subprocess.run(
             [sys.executable, "-c", COMPILE], input=json.dumps(calls), capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONPATH": args.triton},

@@ -24,8 +24,8 @@ XLA_IMPLS = {
     "blockwise": AttentionConfig("xla", "blockwise", block_q=8, block_k=16),
 }
 IMPLS = {**XLA_IMPLS, "flash": AttentionConfig("pallas", "flash", block_q=16, block_k=16)}
-# make_call options the flash kernels decline (they run in XLA): bias, dense masks, dropout.
-NOT_FLASH = ("bias_heads", "mask_heads", "dropout_prob")
+# make_call options the flash kernels decline (they run in XLA): dropout.
+NOT_FLASH = ("dropout_prob",)
 
 
 def impl_cases(cases: dict[str, dict]) -> list[tuple[str, str]]:

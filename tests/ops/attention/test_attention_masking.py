@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybrax import MaskInfo, attention
-from tests.ops.attention.inputs import IMPLS, XLA_IMPLS, normal
+from tests.ops.attention.inputs import IMPLS, normal
 
 B, TQ, TK, H, D = 2, 12, 20, 2, 8
 
@@ -31,7 +31,7 @@ def _empty_row_options():
     }
 
 
-@pytest.mark.parametrize("impl", XLA_IMPLS)
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(("case", "sinks"), [("padding_segment", False), ("all_false_mask_row", True)])
 def test_hidden_rows_give_zeros_and_zero_gradients(impl, case, sinks):
     q, k, v = _qkv()
@@ -67,7 +67,7 @@ def test_causal_queries_before_the_first_key_see_nothing(impl):
     assert all(np.all(np.isfinite(np.asarray(g))) for g in vjp(jnp.ones_like(jnp.asarray(out))))
 
 
-@pytest.mark.parametrize("impl", XLA_IMPLS)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_mask_applies_together_with_bias(impl):
     q, k, v = _qkv()
     bias = normal(4, (B, H, TQ, TK))

@@ -1,9 +1,11 @@
 """`attention` as flash attention in Pallas (Triton lowering): the options cuDNN lacks, fused.
 
-Segment ids (packed sequences), attention sinks, the logits soft cap, windows on both sides with hybrax's
-bottom-right alignment (Tq != Tk), fp32, any GQA ratio, head dims up to 256 (padded with zeros to a power
-of two: zero q / k columns add nothing to q.k, zero value columns fill output columns that are sliced off).
-A bias, a dense mask or dropout stay with the XLA implementations.
+Segment ids (packed sequences), attention sinks, the logits soft cap, a bias (with its gradient) and a dense
+mask, windows on both sides with hybrax's bottom-right alignment (Tq != Tk), fp32, any GQA ratio, head dims up
+to 256 (padded with zeros to a power of two: zero q / k columns add nothing to q.k, zero value columns fill
+output columns that are sliced off). Dropout stays with the XLA implementations. A bias or mask is read by
+query row, so one shared by the heads of a group is copied per head, and the bias's gradient is written whole
+([B, H, Tq, Tk] fp32) before its broadcast dims are summed: fine for the usual sizes, costly for long ones.
 
 The forward (`pallas_flash_fwd.py`) writes each row's logsumexp; the backward (`pallas_flash_bwd.py`)
 recomputes the weights from it. Lengths are padded to whole blocks; padded rows and keys are invisible.
@@ -21,7 +23,7 @@ from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
 from hybrax.ops.attention.mask import PADDING_SEGMENT
 from hybrax.ops.attention.pallas_flash_bwd import flash_backward_dkdv, flash_backward_dq
 from hybrax.ops.attention.pallas_flash_fwd import flash_forward
-from hybrax.ops.attention.pallas_flash_tiles import Geometry
+from hybrax.ops.attention.pallas_flash_tiles import Extras, Geometry
 from hybrax.ops.pallas_shared import interpret_here
 
 MAX_HEAD_DIM = 256
@@ -35,10 +37,8 @@ def _padded_dim(size: int) -> int:
 
 def _supports(inv: Invocation) -> str | None:
     arrays, static = inv.arrays, inv.static
-    for name, what in (("bias", "bias"), ("mask", "dense attention mask (segment ids are taken)"),
-                       ("dropout_seed", "dropout")):
-        if arrays[name] is not None:
-            return f"the flash kernels take no {what}"
+    if arrays["dropout_seed"] is not None:
+        return "the flash kernels take no dropout"
     if static["dtype"] not in DTYPES:
         return f"the flash kernels need dtype bfloat16, float16 or float32, got {static['dtype']}"
     if static["softmax_dtype"] != jnp.float32:
@@ -51,11 +51,11 @@ def _supports(inv: Invocation) -> str | None:
 
 # Blocks (block_q query rows, block_k keys) by head dim (padded) for 16-bit inputs, forward and backward; fp32
 # inputs take FP32_BLOCKS. Chosen offline (no GPU timed them yet): the largest tiles that upstream Triton 3.6
-# compiles for sm_90 with every option on (segments, sinks, soft cap) without spilling registers or passing the
-# H200's shared memory (`scripts/triton_shared_memory.py --op attention`, 2026-12-04; BENCHMARKS.md): forward
-# 128 x 64 at D <= 128 (252 registers at D = 128), 64 x 32 at D = 256 (235); backward 64 x 64 at D = 128 (dK / dV
-# 255 registers, dQ 238), 64 x 32 at D = 64 and 256. fp32 dots take three tf32 passes: from D = 128 on the
-# backward spills even at 32 x 32 (correct, but slow; 16-bit inputs are the fast path).
+# compiles for sm_90 with every option on (segments, sinks, soft cap, bias, mask) without spilling registers or
+# passing the H200's shared memory (`scripts/triton_shared_memory.py --op attention`, 2026-12-04; BENCHMARKS.md):
+# forward 128 x 64 at D <= 128 (252 registers at D = 128), 64 x 32 at D = 256 (245); backward 64 x 64 at D = 128
+# (255 registers), 64 x 32 at D = 64 and 256. fp32 dots take three tf32 passes: from D = 128 on the backward
+# spills even at 32 x 32 (correct, but slow; 16-bit inputs are the fast path).
 FORWARD_BLOCKS = {64: (128, 64), 128: (128, 64), 256: (64, 32)}
 BACKWARD_BLOCKS = {64: (64, 32), 128: (64, 64), 256: (64, 32)}
 FP32_BLOCKS = (32, 32)
@@ -92,7 +92,8 @@ def _geometry(p: AttentionProblem, block_q: int, block_k: int) -> Geometry:
     return Geometry(
         q_len=q_len, kv_len=kv_len, block_q=_blocks(q_len * group, block_q), block_k=_blocks(kv_len, block_k),
         group=group, window_left=p.window_left, window_right=p.window_right, scale=p.softmax_scale,
-        soft_cap=p.logits_soft_cap, has_segments=p.q_segment_ids is not None,
+        soft_cap=p.logits_soft_cap, has_segments=p.q_segment_ids is not None, has_bias=p.bias is not None,
+        has_mask=p.mask is not None,
     )
 
 
@@ -119,9 +120,20 @@ def _from_rows(rows: jax.Array, geometry: Geometry, width: int | None = None) ->
     return jnp.moveaxis(jnp.reshape(rows, (batch, kv_heads, geometry.q_len, geometry.group, *rows.shape[3:])), 2, 1)
 
 
+def _pairwise_rows(x: jax.Array | None, geometry: Geometry, dtype) -> jax.Array | None:
+    """A bias or mask [B|1, K|1, G|1, Tq, Tk] by row: [B|1, K|1, R', Tk'] (a group-shared one copied per head),
+    padded with zeros (hidden, for a mask)."""
+    if x is None:
+        return None
+    x = jnp.broadcast_to(x, (*x.shape[:2], geometry.group, *x.shape[3:])).astype(dtype)
+    rows = _to_rows(jnp.moveaxis(x, 3, 1), geometry)  # [B, Tq, K, G, Tk] -> [B, K, R', Tk]
+    return scores.pad_axis(rows, 3, geometry.num_k_blocks * geometry.block_k)
+
+
 def _padded_inputs(p: AttentionProblem, geometry: Geometry) -> dict:
-    """q [B, K, R', D'] by row (`_to_rows`), k [B, Tk', K, D'], v [B, Tk', K, Dv'] and segment ids by row
-    [B, R'] and key [B, Tk'], padded to whole blocks and power-of-two head dims."""
+    """q [B, K, R', D'] by row (`_to_rows`), k [B, Tk', K, D'], v [B, Tk', K, Dv'] and the extras (segment ids
+    by row [B, R'] and key [B, Tk'], bias and mask by row and key), padded to whole blocks and power-of-two
+    head dims."""
     kv_rows = geometry.num_k_blocks * geometry.block_k
     head_size, value_size = _padded_dim(p.query.shape[-1]), _padded_dim(p.value.shape[-1])
 
@@ -132,11 +144,12 @@ def _padded_inputs(p: AttentionProblem, geometry: Geometry) -> dict:
     if p.q_segment_ids is not None:
         by_row = jnp.repeat(p.q_segment_ids, geometry.group, axis=1)
         q_segments = scores.pad_axis(by_row, 1, geometry.num_q_blocks * geometry.block_q, PADDING_SEGMENT)
-    return dict(
-        q=_to_rows(p.query, geometry, head_size), k=keys_and_width(p.key, head_size),
-        v=keys_and_width(p.value, value_size), q_segments=q_segments,
-        kv_segments=scores.pad_axis(p.kv_segment_ids, 1, kv_rows, PADDING_SEGMENT),
+    extras = Extras(
+        q_segments=q_segments, kv_segments=scores.pad_axis(p.kv_segment_ids, 1, kv_rows, PADDING_SEGMENT),
+        bias=_pairwise_rows(p.bias, geometry, jnp.float32), mask=_pairwise_rows(p.mask, geometry, jnp.int8),
     )
+    return dict(q=_to_rows(p.query, geometry, head_size), k=keys_and_width(p.key, head_size),
+                v=keys_and_width(p.value, value_size), extras=extras)
 
 
 def _sink_start(p: AttentionProblem, geometry: Geometry) -> dict:
@@ -179,15 +192,24 @@ def _bwd(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> AttentionP
         d_out=_to_rows(d_out.astype(p.dtype), geometry, inputs["v"].shape[-1]),
     )
     launch = dict(geometry=geometry, **_launch(geometry, inputs["q"].shape[-1], p.dtype))
-    dq = flash_backward_dq(**inputs, **by_row, **launch)
+    dq, d_bias = flash_backward_dq(**inputs, **by_row, **launch)
     dk, dv = flash_backward_dkdv(**inputs, **by_row, **launch)
+    kv_len = p.key.shape[1]
     return cotangent(
         p,
         query=_from_rows(dq, geometry, head_dim).astype(p.query.dtype),
-        key=dk[:, :p.key.shape[1], :, :head_dim],
-        value=dv[:, :p.key.shape[1], :, :v_dim],
+        key=dk[:, :kv_len, :, :head_dim],
+        value=dv[:, :kv_len, :, :v_dim],
+        bias=None if d_bias is None else _bias_grad(p, d_bias, geometry),
         softmax_aux=scores.sink_grads(p, lse, delta),
     )
+
+
+def _bias_grad(p: AttentionProblem, d_bias: jax.Array, geometry: Geometry) -> jax.Array:
+    """[B, K, R', Tk'] by row -> the bias's shape [B|1, K|1, G|1, Tq, Tk], its broadcast dims summed."""
+    per_head = jnp.moveaxis(_from_rows(d_bias, geometry, p.key.shape[1]), 1, 3)  # [B, K, G, Tq, Tk]
+    summed = [axis for axis in range(3) if p.bias.shape[axis] == 1 and per_head.shape[axis] > 1]
+    return jnp.sum(per_head, axis=tuple(summed), keepdims=True).astype(p.bias.dtype)
 
 
 # devices=(): `auto` never picks it until a GPU has checked and timed it (platform="pallas" runs it anywhere).

@@ -15,17 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from hybrax.ops.attention.pallas_flash_tiles import Geometry, masked_loop
+from hybrax.ops.attention.pallas_flash_tiles import Extras, Geometry, extras_specs, masked_loop
 from hybrax.ops.pallas_shared import dot_settings, mm
 
 
 def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool) -> None:
     q_ref, k_ref, v_ref, *rest = refs
-    q_segment_ref = kv_segment_ref = None
-    if geometry.has_segments:
-        q_segment_ref, kv_segment_ref, *rest = rest
+    extras, rest = Extras.take(geometry, rest)
     if has_sinks:
         sink_max_ref, sink_sum_ref, *rest = rest
     out_ref, lse_ref = rest
@@ -33,15 +31,14 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
     dtype, precision = dot_settings(q_ref.dtype, interpret)
     q_block = pl.program_id(0)
     q = q_ref[...]
-    q_segments = None if q_segment_ref is None else q_segment_ref[...]
+    rows = slice(None)  # the program's rows are its whole blocks of the extras
 
     def step(k_block: jax.Array, carry: tuple, masked: bool) -> tuple:
         row_max, row_sum, acc = carry
         keys = pl.ds(k_block * block_k, block_k)
-        logits, _ = geometry.logits(q, k_ref[keys, :], dtype, precision)
+        logits, _ = geometry.logits(q, k_ref[keys, :], extras, rows, keys, dtype, precision)
         if masked:
-            kv_segments = None if kv_segment_ref is None else kv_segment_ref[keys]
-            logits = jnp.where(geometry.visible(q_block, k_block, q_segments, kv_segments), logits, -jnp.inf)
+            logits = jnp.where(geometry.visible(q_block, k_block, extras, rows, keys), logits, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows that have seen nothing yet: no inf - inf
         weights = jnp.exp(logits - shift[:, None])
@@ -67,8 +64,7 @@ def flash_forward(
     q: Float[Array, "B KV R D"],
     k: Float[Array, "B Tk KV D"],
     v: Float[Array, "B Tk KV Dv"],
-    q_segments: Int[Array, "B R"] | None,
-    kv_segments: Int[Array, "B Tk"] | None,
+    extras: Extras,
     sink_max: Float[Array, "KV R"] | None,
     sink_sum: Float[Array, "KV R"] | None,
     *,
@@ -77,21 +73,19 @@ def flash_forward(
     num_stages: int,
     interpret: bool,
 ) -> tuple[Float[Array, "B KV R Dv"], Float[Array, "B KV R"]]:
-    """(out, lse) by query row (R = q_len * group rows per kv head, segment ids and sinks by row), the rows and
-    Tk padded to whole blocks and the head dims to powers of two."""
+    """(out, lse) by query row (R = q_len * group rows per kv head; extras and sinks by row), the rows and Tk
+    padded to whole blocks and the head dims to powers of two."""
     batch, kv_heads, rows, head_dim = q.shape
     kv_len, v_dim = k.shape[1], v.shape[3]
     block_q = geometry.block_q
-    arrays = [q, k, v]
+    extra_arrays, extra_specs = extras_specs(geometry, extras, rows, kv_len, per_row_block=True)
+    arrays = [q, k, v, *extra_arrays]
     in_specs = [
         pl.BlockSpec((None, None, block_q, head_dim), lambda i, b, h: (b, h, i, 0)),
         pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h, 0)),
         pl.BlockSpec((None, kv_len, None, v_dim), lambda i, b, h: (b, 0, h, 0)),
+        *extra_specs,
     ]
-    if geometry.has_segments:
-        arrays += [q_segments, kv_segments]
-        in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0))]
     if sink_max is not None:
         arrays += [sink_max, sink_sum]
         in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (h, i))] * 2

@@ -14,11 +14,12 @@ loaded: the kernels' loops run over `key_blocks` / `query_blocks` only.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from hybrax.ops.attention.mask import PADDING_SEGMENT
 from hybrax.ops.pallas_shared import mm_t
@@ -37,6 +38,13 @@ class Geometry(NamedTuple):
     scale: float
     soft_cap: float | None
     has_segments: bool
+    has_bias: bool = False
+    has_mask: bool = False
+
+    @property
+    def masks_every_tile(self) -> bool:
+        """Segment ids and dense masks can hide any entry: no tile is known whole without reading them."""
+        return self.has_segments or self.has_mask
 
     @property
     def offset(self) -> int:
@@ -82,8 +90,8 @@ class Geometry(NamedTuple):
 
     def whole_key_blocks(self, q_block: jax.Array, first: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[a, b) within [first, end): key blocks that every row of row block `q_block` sees whole, whose tiles
-        need no mask (empty with segment ids, which only a mask can apply)."""
-        if self.has_segments:
+        need no mask (empty with segment ids or a dense mask)."""
+        if self.masks_every_tile:
             return end, end
         first_row = q_block * self.block_q
         last_row = first_row + self.block_q - 1
@@ -100,7 +108,7 @@ class Geometry(NamedTuple):
 
     def whole_query_blocks(self, k_block: jax.Array, first: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[a, b) within [first, end): row blocks whose every row sees key block `k_block` whole (no mask)."""
-        if self.has_segments:
+        if self.masks_every_tile:
             return end, end
         first_key = k_block * self.block_k
         last_key = first_key + self.block_k - 1
@@ -115,31 +123,85 @@ class Geometry(NamedTuple):
         whole_end = jnp.where(last_key < self.kv_len, jnp.maximum(whole_end, whole_first), whole_first)
         return whole_first, whole_end
 
-    def visible(
-        self, q_block: jax.Array, k_block: jax.Array, q_segments: jax.Array | None, kv_segments: jax.Array | None
-    ) -> jax.Array:
-        """bool [block_q, block_k]: which keys of the tile each query row sees (`q_segments` by row)."""
+    def visible(self, q_block: jax.Array, k_block: jax.Array, extras: "Extras", rows: Any, keys: Any) -> jax.Array:
+        """bool [block_q, block_k]: which keys of the tile each query row sees; `rows` / `keys` index the
+        extras' refs (a pl.ds, or slice(None) where the ref holds just the program's block)."""
         # A column of rows and a row of columns: comparisons broadcast them, and neither index is held per entry.
-        rows = (q_block * self.block_q + lax.iota(jnp.int32, self.block_q))[:, None]
-        positions = rows // self.group if self.group > 1 else rows
-        cols = (k_block * self.block_k + lax.iota(jnp.int32, self.block_k))[None, :]
-        seen = (rows < self.num_rows) & (cols < self.kv_len)
+        row = (q_block * self.block_q + lax.iota(jnp.int32, self.block_q))[:, None]
+        position = row // self.group if self.group > 1 else row
+        col = (k_block * self.block_k + lax.iota(jnp.int32, self.block_k))[None, :]
+        seen = (row < self.num_rows) & (col < self.kv_len)
         if self.window_left is not None:
-            seen &= cols >= positions + (self.offset - self.window_left)
+            seen &= col >= position + (self.offset - self.window_left)
         if self.window_right is not None:
-            seen &= cols <= positions + (self.offset + self.window_right)
+            seen &= col <= position + (self.offset + self.window_right)
         if self.has_segments:
-            seen &= (q_segments[:, None] == kv_segments[None, :]) & (q_segments[:, None] != PADDING_SEGMENT)
+            q_segments, kv_segments = extras.q_segments[rows][:, None], extras.kv_segments[keys][None, :]
+            seen &= (q_segments == kv_segments) & (q_segments != PADDING_SEGMENT)
+        if self.has_mask:
+            seen &= extras.mask[rows, keys] != 0
         return seen
 
-    def logits(self, q: jax.Array, k: jax.Array, dtype, precision) -> tuple[jax.Array, jax.Array | None]:
-        """(cap(scale q k^T), tanh of the capped argument or None): fp32 [block_q, block_k]. The backward
-        multiplies by cap's slope 1 - tanh^2."""
+    def logits(self, q: jax.Array, k: jax.Array, extras: "Extras", rows: Any, keys: Any, dtype, precision
+               ) -> tuple[jax.Array, jax.Array | None]:
+        """(cap(scale q k^T + bias), tanh of the capped argument or None): fp32 [block_q, block_k]. The
+        backward multiplies by cap's slope 1 - tanh^2."""
         logits = mm_t(q, k, dtype, precision) * self.scale
+        if self.has_bias:
+            logits = logits + extras.bias[rows, keys]
         if self.soft_cap is None:
             return logits, None
         tanh = jnp.tanh(logits / self.soft_cap)
         return self.soft_cap * tanh, tanh
+
+
+class Extras(NamedTuple):
+    """The refs of a call's optional inputs, by query row and key: segment ids [R] / [Tk], bias [R, Tk] fp32,
+    mask [R, Tk] int8 (nonzero keeps). Launch order: segments, bias, mask."""
+
+    q_segments: Any = None
+    kv_segments: Any = None
+    bias: Any = None
+    mask: Any = None
+
+    @classmethod
+    def take(cls, geometry: Geometry, refs: list) -> tuple["Extras", list]:
+        """The extras' refs from the front of `refs`, and the refs after them."""
+        found = {}
+        if geometry.has_segments:
+            found["q_segments"], found["kv_segments"], *refs = refs
+        if geometry.has_bias:
+            found["bias"], *refs = refs
+        if geometry.has_mask:
+            found["mask"], *refs = refs
+        return cls(**found), refs
+
+
+def extras_specs(geometry: Geometry, extras: Extras, rows: int, kv_len: int, per_row_block: bool
+                 ) -> tuple[list, list[pl.BlockSpec]]:
+    """(arrays, block specs) of the present extras on the grid (block, batch, kv head): by the program's rows and
+    all keys (per_row_block), or all rows and the program's keys. Bias and mask may broadcast over batch and kv
+    heads (their leading dims of 1)."""
+    row_block = geometry.block_q if per_row_block else rows
+    key_block = kv_len if per_row_block else geometry.block_k
+
+    def along(i):  # (row block index, key block index) of program i
+        return (i, 0) if per_row_block else (0, i)
+
+    arrays, specs = [], []
+    if geometry.has_segments:
+        arrays += [extras.q_segments, extras.kv_segments]
+        specs += [pl.BlockSpec((None, row_block), lambda i, b, h: (b, along(i)[0])),
+                  pl.BlockSpec((None, key_block), lambda i, b, h: (b, along(i)[1]))]
+    for present, pairwise in ((geometry.has_bias, extras.bias), (geometry.has_mask, extras.mask)):
+        if present:
+            batch_of = (lambda b: b) if pairwise.shape[0] > 1 else (lambda b: 0)
+            head_of = (lambda h: h) if pairwise.shape[1] > 1 else (lambda h: 0)
+            arrays.append(pairwise)
+            specs.append(pl.BlockSpec((None, None, row_block, key_block),
+                                      lambda i, b, h, batch_of=batch_of, head_of=head_of:
+                                      (batch_of(b), head_of(h), *along(i))))
+    return arrays, specs
 
 
 def masked_loop(bounds: tuple[jax.Array, jax.Array], whole: tuple[jax.Array, jax.Array], step, carry):
