@@ -45,12 +45,13 @@ def padded_token_mask(slots: jax.Array, batch: int, length: int, cu_seqlens: jax
     return (inside & (slots[jnp.minimum(sequence, slots.shape[0] - 1)] >= 0))[None]
 
 
-def check_slots(slots: Any, has_initial_state: Any, num_sequences: int) -> None:
-    what = "[num_sequences] (one per cu_seqlens segment)" if num_sequences else "[batch]"
-    check_shape("slots", slots, (num_sequences,), what)
+def check_slots(slots: Any, has_initial_state: Any, count: int, packed: bool = False) -> None:
+    """slots (and has_initial_state) [count]: one per request, or per cu_seqlens segment when `packed`."""
+    what = "[num_sequences] (one per cu_seqlens segment)" if packed else "[batch]"
+    check_shape("slots", slots, (count,), what)
     check_integer("slots", slots)
     if has_initial_state is not None:
-        check_shape("has_initial_state", has_initial_state, (num_sequences,), what)
+        check_shape("has_initial_state", has_initial_state, (count,), what)
 
 
 def kda_prefill_pool(
@@ -85,7 +86,7 @@ def kda_prefill_pool(
     value_heads = jnp.shape(v)[2]
     check_gate(gate, g, a_log, dt_bias, lower_bound, value_heads, dk)
     num_sequences = batch if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
-    check_slots(slots, has_initial_state, num_sequences)
+    check_slots(slots, has_initial_state, num_sequences, packed=cu_seqlens is not None)
     slots = jnp.asarray(slots, jnp.int32)
     initial = swap_layout(gather_rows(pool, slots, has_initial_state), state_v_first)
     decay = g[..., 0] if jnp.shape(g)[-1] == 1 else g  # kernel_delta_attention takes per-head decay as [B, T, HV]

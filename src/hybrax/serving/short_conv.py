@@ -97,12 +97,13 @@ def short_conv_prefill(
     check_rank("x", x, 3, "[batch, seq_len, dim]")
     _check_conv(x, conv_pool, weight, bias, activation)
     batch, length, dim = jnp.shape(x)
-    if cu_seqlens is None:  # B dense sequences are B packed ones of T tokens each
+    packed = cu_seqlens is not None
+    if not packed:  # B dense sequences are B packed ones of T tokens each
         cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * length
     elif batch != 1:
         raise ValueError(f"cu_seqlens needs a batch of one (packed sequences), got x batch {batch}")
     num_sequences = jnp.shape(cu_seqlens)[0] - 1
-    check_slots(slots, has_initial_state, num_sequences)
+    check_slots(slots, has_initial_state, num_sequences, packed=packed)
     slots, cu_seqlens = jnp.asarray(slots, jnp.int32), jnp.asarray(cu_seqlens, jnp.int32)
     taps = jnp.shape(weight)[1] - 1
     tokens = x.reshape(batch * length, dim).astype(jnp.float32)
