@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from hybrax.ops.attention import reference
-from hybrax.serving import attention_decode_pool
+from hybrax.serving import AttentionDecodePoolConfig, attention_decode_pool
 from tests.helpers import TOLERANCE, assert_close, normal
 
-SLOTS, MAX_LEN, HEADS, KV_HEADS, D, DV = 5, 24, 4, 2, 16, 8
+SLOTS, MAX_LEN, HEADS, KV_HEADS, D, DV = 5, 32, 4, 2, 16, 32
+# The in-place kernel with two splits of 16-key blocks: the splits merge across a row.
+IN_PLACE = AttentionDecodePoolConfig("pallas", "in_place", block_k=16, num_splits=2)
 
 
 def _pools(seed):
@@ -31,6 +33,8 @@ def _tokens(seed, batch, tokens):
     dict(sliding_window=3, logits_soft_cap=2.0, softmax_scale=0.3),
     dict(softmax_aux=True),
     dict(platform="pallas"),
+    dict(cfg=IN_PLACE, sliding_window=3, logits_soft_cap=2.0, softmax_scale=0.3),
+    dict(cfg=IN_PLACE, softmax_aux=True),
 ])
 def test_chunked_prefill_then_decode_matches_whole_sequence_attention(options):
     """Two requests (slots 3 and 1) and a padded row: a 5-token chunk (request 1 has 3 real tokens), then three
@@ -74,7 +78,7 @@ def test_writes_only_the_new_tokens_of_named_rows():
     np.testing.assert_array_equal(new_v, want_v)
 
 
-def test_bf16_cache_through_the_flash_kernels():
+def test_bf16_cache_through_the_in_place_kernel():
     """A bf16 cache, platform="pallas": each decode token against the reference over its row as written."""
     k_pool, v_pool = (x.astype(jnp.bfloat16) for x in _pools(0))
     q, k, v = (x.astype(jnp.bfloat16) for x in _tokens(5, 2, 1))
@@ -85,6 +89,14 @@ def test_bf16_cache_through_the_flash_kernels():
         keys, values = (np.asarray(pool[slots[b], :length], np.float32)[None] for pool in (k_pool, v_pool))
         want = reference.attention(np.asarray(q[b:b + 1], np.float32), keys, values, causal=True)
         assert_close(out[b], want[0], TOLERANCE[jnp.bfloat16], f"request {b}")
+
+
+def test_in_place_kernel_names_what_it_declines():
+    k_pool, v_pool = _pools(0)
+    q, k, v = _tokens(1, 2, 1)
+    args = (q, k, v, k_pool[:, :30], v_pool[:, :30], jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="pallas:in_place: the in-place kernel needs a max_len that is a multiple of 16, got 30"):
+        attention_decode_pool(*args, platform="pallas")
 
 
 BAD = {

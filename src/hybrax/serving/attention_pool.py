@@ -11,23 +11,59 @@ request names stay bit-for-bit unchanged; donate the pools to update them in pla
 cached_lengths by new_lengths after the step and keeps cached_lengths + new_lengths <= max_len (writes past the
 end are dropped, and those tokens would not see themselves).
 
-The attention runs through `hybrax.attention` on the gathered rows, with a mask of each token's visible
-positions: whichever implementation the call resolves to for a masked call (`platform`). Gathering copies the
-requests' rows once per step; a kernel that reads them in place is the way to go past that.
+The XLA implementation ("xla:gather") runs `hybrax.attention` on the gathered rows with a mask of each token's
+visible positions: it copies the requests' rows once per step. The Pallas one ("pallas:in_place",
+`ops/attention/pallas_pool_decode.py`) reads them in place by slot, flash decoding over splits of each row;
+opt-in with platform="pallas" until it is timed on a GPU. It needs power-of-two head dims from 16 to 256 and a
+max_len that its key blocks divide (a multiple of 16).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, register, static_field
 from hybrax.core.validate import check_floating, check_integer, check_rank, check_shape
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
+from hybrax.ops.attention.pallas_pool_decode import PoolGeometry, combine_splits, pool_decode_splits
+from hybrax.ops.pallas_shared import interpret_here
 from hybrax.serving.prefill import check_slots, gather_rows
+
+OP_ID = "attention_decode_pool"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionDecodePoolConfig(KernelConfig):
+    """Speed knobs of the in-place Pallas kernel: keys per block, and splits of each row's keys (None: the
+    heuristic's)."""
+
+    block_k: int | None = None
+    num_splits: int | None = None
+
+
+@problem_dataclass
+class AttentionPoolProblem:
+    """q [B, T, H, D]; k, v [B, T, KV, D | Dv] (the new tokens); pools [S, L, KV, D | Dv]; slots, cached and new
+    lengths [B] int32; sinks [H, S] or None."""
+
+    q: Float[Array, "B T H D"]
+    k: Float[Array, "B T KV D"]
+    v: Float[Array, "B T KV Dv"]
+    k_pool: Float[Array, "S L KV D"]
+    v_pool: Float[Array, "S L KV Dv"]
+    slots: Int[Array, " B"]
+    cached_lengths: Int[Array, " B"]
+    new_lengths: Int[Array, " B"]
+    softmax_aux: Float[Array, "H N"] | None
+    sliding_window: int | None = static_field()
+    softmax_scale: float | None = static_field()
+    logits_soft_cap: float | None = static_field()
 
 
 def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, cached_lengths: Any,
@@ -65,6 +101,112 @@ def _write(pool: jax.Array, rows: jax.Array, positions: jax.Array, new: jax.Arra
     return pool.at[rows, positions].set(new.astype(pool.dtype), mode="drop")
 
 
+def _new_tokens(p: AttentionPoolProblem) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(real [B, T], positions [B, T], k_pool, v_pool with the real new tokens written)."""
+    num_slots, tokens = p.k_pool.shape[0], p.q.shape[1]
+    token = jnp.arange(tokens, dtype=jnp.int32)
+    real = (p.slots >= 0)[:, None] & (token[None, :] < p.new_lengths[:, None])
+    positions = p.cached_lengths[:, None] + token[None, :]
+    rows = jnp.where(real, p.slots[:, None], num_slots)
+    return real, positions, _write(p.k_pool, rows, positions, p.k), _write(p.v_pool, rows, positions, p.v)
+
+
+class AttentionDecodePool(Kernel[AttentionDecodePoolConfig, Any]):
+    op_id = OP_ID
+    config_type = AttentionDecodePoolConfig
+
+    def prepare(
+        self, q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, cached_lengths: Any, /, *,
+        new_lengths: Any = None, sliding_window: int | None = None, softmax_scale: float | None = None,
+        logits_soft_cap: float | None = None, softmax_aux: Any = None,
+    ) -> AttentionPoolProblem:
+        _check(q, k, v, k_pool, v_pool, slots, cached_lengths, new_lengths, sliding_window)
+        batch, tokens, heads, _ = jnp.shape(q)
+        if softmax_aux is not None:
+            check_rank("softmax_aux", softmax_aux, 2, "[num_heads, num_sinks]")
+            check_shape("softmax_aux", softmax_aux, (heads, None), "[num_heads, num_sinks]")
+        if new_lengths is None:
+            new_lengths = jnp.full((batch,), tokens, jnp.int32)
+        return AttentionPoolProblem(
+            q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, slots=jnp.asarray(slots, jnp.int32),
+            cached_lengths=jnp.asarray(cached_lengths, jnp.int32), new_lengths=jnp.asarray(new_lengths, jnp.int32),
+            softmax_aux=softmax_aux, sliding_window=sliding_window, softmax_scale=softmax_scale,
+            logits_soft_cap=logits_soft_cap,
+        )
+
+
+@register(OP_ID, "xla", "gather", priority=1, heuristic_cfg=lambda inv: AttentionDecodePoolConfig())
+def _gather(p: AttentionPoolProblem, cfg: AttentionDecodePoolConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    real, positions, k_pool, v_pool = _new_tokens(p)
+    key_position = jnp.arange(k_pool.shape[1], dtype=jnp.int32)[None, None, :]
+    seen = real[:, :, None] & (key_position <= positions[:, :, None])  # [B, T, max_len]
+    if p.sliding_window is not None:
+        seen &= key_position >= positions[:, :, None] - p.sliding_window
+    out = attention(
+        p.q, gather_rows(k_pool, p.slots, None), gather_rows(v_pool, p.slots, None), None, None, p.softmax_aux,
+        mask_info=MaskInfo.from_attention_mask(seen[:, None]), softmax_scale=p.softmax_scale,
+        logits_soft_cap=p.logits_soft_cap,
+    )
+    return jnp.where(real[:, :, None, None], out, 0).astype(p.q.dtype), k_pool, v_pool
+
+
+def _power_of_two(size: int) -> bool:
+    return size >= 16 and size & (size - 1) == 0
+
+
+def _in_place_reason(inv: Invocation) -> str | None:
+    head_dim, v_dim = inv.arrays["q"].shape[-1], inv.arrays["v"].shape[-1]
+    if not (_power_of_two(head_dim) and _power_of_two(v_dim) and max(head_dim, v_dim) <= 256):
+        return f"the in-place kernel needs power-of-two head dims from 16 to 256, got {head_dim} and {v_dim}"
+    max_len = inv.arrays["k_pool"].shape[1]
+    if max_len % 16:
+        return f"the in-place kernel needs a max_len that is a multiple of 16, got {max_len}"
+    return None
+
+
+def _in_place_heuristic(inv: Invocation) -> AttentionDecodePoolConfig:
+    """Key blocks of up to 64 that divide max_len; splits enough for about two programs per SM of an H200
+    (132 SMs) across requests, kv heads and row blocks."""
+    batch, tokens, heads, _ = inv.arrays["q"].shape
+    kv_heads, max_len = inv.arrays["k"].shape[2], inv.arrays["k_pool"].shape[1]
+    block_k = next(size for size in (64, 32, 16) if max_len % size == 0)
+    rows = tokens * heads // kv_heads
+    programs = batch * kv_heads * -(-rows // 64)
+    return AttentionDecodePoolConfig(block_k=block_k, num_splits=max(1, min(-(-264 // programs), max_len // block_k)))
+
+
+# devices=(): `auto` never picks it until a GPU has checked and timed it (platform="pallas" runs it anywhere).
+@register(OP_ID, "pallas", "in_place", priority=2, devices=(), supports=_in_place_reason,
+          heuristic_cfg=_in_place_heuristic)
+def _in_place(p: AttentionPoolProblem, cfg: AttentionDecodePoolConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    real, _, k_pool, v_pool = _new_tokens(p)
+    batch, tokens, heads, head_dim = p.q.shape
+    kv_heads, max_len, v_dim = p.k.shape[2], k_pool.shape[1], p.v.shape[-1]
+    group, rows = heads // kv_heads, tokens * heads // kv_heads
+    block_q = min(64, max(16, 1 << (rows - 1).bit_length()))
+    blocks = max_len // cfg.block_k
+    geometry = PoolGeometry(
+        rows=rows, group=group, block_q=block_q, block_k=cfg.block_k, num_splits=cfg.num_splits,
+        blocks_per_split=-(-blocks // cfg.num_splits), window=p.sliding_window,
+        scale=head_dim**-0.5 if p.softmax_scale is None else p.softmax_scale, soft_cap=p.logits_soft_cap,
+    )
+    padded_rows = geometry.row_blocks * block_q
+    # [B, T, KV, G, D] -> [B, KV, T * G, D]: row t * G + g is token t of head g.
+    q_rows = jnp.reshape(jnp.moveaxis(jnp.reshape(p.q, (batch, tokens, kv_heads, group, head_dim)), 1, 2),
+                         (batch, kv_heads, rows, head_dim))
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0))).astype(k_pool.dtype)
+    splits, lse = pool_decode_splits(q_rows, k_pool, v_pool, p.slots, p.cached_lengths, p.new_lengths,
+                                     geometry=geometry, num_warps=4, interpret=interpret_here())
+    sinks = None
+    if p.softmax_aux is not None:  # [H, N] -> each row's head's sinks [KV, R', N]
+        per_head = jnp.reshape(p.softmax_aux.astype(jnp.float32), (kv_heads, group, -1))
+        sinks = jnp.pad(jnp.tile(per_head, (1, tokens, 1)), ((0, 0), (0, padded_rows - rows), (0, 0)))
+    out = combine_splits(splits, lse, sinks)[:, :, :rows]  # [B, KV, T * G, Dv]
+    out = jnp.moveaxis(jnp.reshape(out, (batch, kv_heads, tokens, group, v_dim)), 2, 1)
+    out = jnp.reshape(out, (batch, tokens, heads, v_dim))
+    return jnp.where(real[:, :, None, None], out, 0).astype(p.q.dtype), k_pool, v_pool
+
+
 def attention_decode_pool(
     q: Float[Array, "batch tokens num_heads head_dim"],
     k: Float[Array, "batch tokens num_kv_heads head_dim"],
@@ -81,30 +223,14 @@ def attention_decode_pool(
     logits_soft_cap: float | None = None,
     softmax_aux: Float[Array, "num_heads num_sinks"] | None = None,
     platform: str | None = None,
+    cfg: AttentionDecodePoolConfig | None = None,
 ) -> tuple[Float[Array, "batch tokens num_heads v_head_dim"], Float[Array, "num_slots max_len num_kv_heads head_dim"],
            Float[Array, "num_slots max_len num_kv_heads v_head_dim"]]:
     """T new tokens for each of B requests against their cached rows: returns (output [B, T, H, Dv] in q's
     dtype, k_pool, v_pool with the new tokens written). See the module doc; `sliding_window` w keeps the keys
     of the w positions before each token and its own."""
-    _check(q, k, v, k_pool, v_pool, slots, cached_lengths, new_lengths, sliding_window)
-    batch, tokens = jnp.shape(q)[:2]
-    num_slots, max_len = jnp.shape(k_pool)[:2]
-    slots, cached_lengths = jnp.asarray(slots, jnp.int32), jnp.asarray(cached_lengths, jnp.int32)
-    new_lengths = jnp.full((batch,), tokens, jnp.int32) if new_lengths is None else jnp.asarray(new_lengths, jnp.int32)
-
-    token = jnp.arange(tokens, dtype=jnp.int32)
-    real = (slots >= 0)[:, None] & (token[None, :] < new_lengths[:, None])  # [B, T]
-    positions = cached_lengths[:, None] + token[None, :]
-    rows = jnp.where(real, slots[:, None], num_slots)
-    k_pool, v_pool = _write(k_pool, rows, positions, k), _write(v_pool, rows, positions, v)
-
-    key_position = jnp.arange(max_len, dtype=jnp.int32)[None, None, :]
-    seen = real[:, :, None] & (key_position <= positions[:, :, None])  # [B, T, max_len]
-    if sliding_window is not None:
-        seen &= key_position >= positions[:, :, None] - sliding_window
-    out = attention(
-        q, gather_rows(k_pool, slots, None), gather_rows(v_pool, slots, None), None, None, softmax_aux,
-        mask_info=MaskInfo.from_attention_mask(seen[:, None]), softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap, platform=platform,
+    return default_executor()(
+        AttentionDecodePool(), q, k, v, k_pool, v_pool, slots, cached_lengths, new_lengths=new_lengths,
+        sliding_window=sliding_window, softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+        softmax_aux=softmax_aux, platform=platform, cfg=cfg,
     )
-    return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype), k_pool, v_pool
