@@ -35,8 +35,9 @@ def median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
 
 
 def attention_cases() -> list[Case]:
-    """Both XLA implementations on causal GQA, and on a causal sliding window with sinks, a soft cap
-    and fewer queries than keys (shape: batch x Tq x Tk x heads/kv heads x head dim)."""
+    """Both XLA implementations and the Pallas flash kernels (interpret mode off the GPU) on causal GQA, and on a
+    causal sliding window with sinks, a soft cap and fewer queries than keys (shape: batch x Tq x Tk x heads/kv
+    heads x head dim)."""
     from hybrax import AttentionConfig, attention
     from hybrax.ops.attention.reference import attention as attention_reference
 
@@ -54,11 +55,12 @@ def attention_cases() -> list[Case]:
     }
     cases = []
     for name, (query, sinks, options) in calls.items():
-        for cfg in (AttentionConfig("xla", "direct"), AttentionConfig("xla", "blockwise", block_q=64, block_k=128)):
+        for cfg in (AttentionConfig("xla", "direct"), AttentionConfig("xla", "blockwise", block_q=64, block_k=128),
+                    AttentionConfig("pallas", "flash")):
             run = jax.jit(lambda q, k, v, s, cfg=cfg, options=options: attention(
                 q, k, v, None, None, s, cfg=cfg, **options))
             cases.append(Case(
-                "attention", f"xla:{cfg.backend}",
+                "attention", f"{cfg.platform}:{cfg.backend}",
                 f"{name} {batch}x{query.shape[1]}x{seq_len}x{heads}/{kv_heads}x{dim}",
                 run=lambda run=run, query=query, sinks=sinks: run(query, k, v, sinks),
                 reference=lambda query=query, sinks=sinks, options=options: attention_reference(
