@@ -160,8 +160,8 @@ def decode_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, s
 
 def attention_calls(dtype, dim: int, directory: str, extras: bool = True) -> list[tuple[str, int, int, str]]:
     """The flash attention kernels (forward, backward dQ and dK / dV) of a causal GQA call, T = 2048, 32 query
-    heads on 8 kv heads, with the heuristic's blocks; with `extras` segment ids, sinks, soft cap, a bias and a
-    mask on, so every option's code is in."""
+    heads on 8 kv heads, with the heuristic's blocks; with `extras` segment ids, sinks, soft cap, a bias, a mask
+    and dropout on, so every option's code is in."""
     batch, length, heads, kv_heads = 1, 2048, 32, 8
     args = [jax.ShapeDtypeStruct((batch, length, n, dim), dtype) for n in (heads, kv_heads, kv_heads)]
     args += [jax.ShapeDtypeStruct((batch, length), jnp.int32), jax.ShapeDtypeStruct((heads, 1), jnp.float32),
@@ -169,9 +169,10 @@ def attention_calls(dtype, dim: int, directory: str, extras: bool = True) -> lis
              jax.ShapeDtypeStruct((batch, 1, length, length), jnp.bool_)]
 
     def loss(q, k, v, segments, sinks, bias, mask):
-        options = dict(logits_soft_cap=30.0, mask_info=MaskInfo(segments, segments, mask)) if extras else {}
-        out = attention(q, k, v, bias if extras else None, None, sinks if extras else None, causal=True,
-                        cfg=AttentionConfig("pallas", "flash"), **options)
+        options = dict(logits_soft_cap=30.0, mask_info=MaskInfo(segments, segments, mask), dropout_prob=0.1,
+                       deterministic=False) if extras else {}
+        out = attention(q, k, v, bias if extras else None, jax.random.key(0) if extras else None,
+                        sinks if extras else None, causal=True, cfg=AttentionConfig("pallas", "flash"), **options)
         return jnp.sum(out.astype(jnp.float32))
 
     # Lowered here for a GPU: the kernels must be compiled, not interpreted as they are on this CPU.

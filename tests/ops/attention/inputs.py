@@ -24,14 +24,11 @@ XLA_IMPLS = {
     "blockwise": AttentionConfig("xla", "blockwise", block_q=8, block_k=16),
 }
 IMPLS = {**XLA_IMPLS, "flash": AttentionConfig("pallas", "flash", block_q=16, block_k=16)}
-# make_call options the flash kernels decline (they run in XLA): dropout.
-NOT_FLASH = ("dropout_prob",)
 
 
 def impl_cases(cases: dict[str, dict]) -> list[tuple[str, str]]:
-    """(case, impl) pairs: every case for the XLA implementations, those without NOT_FLASH options for flash."""
-    return [(case, impl) for case, options in cases.items() for impl in IMPLS
-            if impl in XLA_IMPLS or not any(name in options for name in NOT_FLASH)]
+    """(case, impl) pairs: every case for every implementation."""
+    return [(case, impl) for case in cases for impl in IMPLS]
 
 
 @dataclasses.dataclass

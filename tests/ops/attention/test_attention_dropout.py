@@ -11,16 +11,16 @@ import pytest
 from hybrax import Attention, attention
 from hybrax.ops.attention import scores
 from tests.helpers import TOLERANCE, assert_close
-from tests.ops.attention.inputs import XLA_IMPLS, make_call, normal
+from tests.ops.attention.inputs import IMPLS, make_call, normal
 
 RATE = 0.25
 
 
-@pytest.mark.parametrize("impl", XLA_IMPLS)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_dropout_matches_reference_with_the_same_mask(impl):
     call = make_call(causal=True, bias_heads=4, sinks=(4, 2), dropout_prob=RATE, deterministic=False,
                      dropout_rng=jax.random.key(3))
-    out = call.run(XLA_IMPLS[impl])
+    out = call.run(IMPLS[impl])
     assert_close(out, call.reference(), TOLERANCE[jnp.float32], impl)
     assert call.dropout_keep().mean() < 0.9  # the reference really dropped something
 
@@ -61,15 +61,15 @@ def test_same_key_same_mask_other_key_other_mask():
     assert 0.3 < np.mean(a != b) < 0.45  # 2 p (1 - p) = 0.375 for independent masks
 
 
-@pytest.mark.parametrize("impl", XLA_IMPLS)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_dropout_is_off_when_deterministic_and_raw_keys_work(impl):
     q, k, v = normal(0, (1, 8, 2, 8)), normal(1, (1, 8, 2, 8)), normal(2, (1, 8, 2, 8))
     rng = jax.random.key(4)
-    plain = attention(q, k, v, cfg=XLA_IMPLS[impl])
-    off = attention(q, k, v, None, rng, dropout_prob=RATE, deterministic=True, cfg=XLA_IMPLS[impl])
+    plain = attention(q, k, v, cfg=IMPLS[impl])
+    off = attention(q, k, v, None, rng, dropout_prob=RATE, deterministic=True, cfg=IMPLS[impl])
     np.testing.assert_array_equal(plain, off)
-    typed = attention(q, k, v, None, rng, dropout_prob=RATE, deterministic=False, cfg=XLA_IMPLS[impl])
+    typed = attention(q, k, v, None, rng, dropout_prob=RATE, deterministic=False, cfg=IMPLS[impl])
     raw = attention(q, k, v, None, jax.random.key_data(rng), dropout_prob=RATE, deterministic=False,
-                    cfg=XLA_IMPLS[impl])
+                    cfg=IMPLS[impl])
     np.testing.assert_array_equal(typed, raw)
     assert not np.allclose(typed, plain)

@@ -30,7 +30,6 @@ def _reason(dtype=jnp.float32, **options) -> str | None:
 
 
 @pytest.mark.parametrize(("options", "reason"), [
-    (dict(dropout_prob=0.1, deterministic=False, dropout_rng=jax.random.key(0)), "no dropout"),
     (dict(softmax_dtype=jnp.bfloat16), "softmax in float32"),
     (dict(head_dim=16, v_dim=257), "head dims <= 256"),
 ])
@@ -38,17 +37,16 @@ def test_declines_with_the_reason(options, reason):
     assert reason in _reason(**options)
 
 
-def test_takes_segments_sinks_soft_cap_bias_masks_windows_and_16_bit_inputs():
+def test_takes_every_option_and_16_bit_inputs():
     assert _reason(segments=True, sinks=(4, 2), logits_soft_cap=2.0, sliding_window=(3, 5), bias_heads=2,
-                   mask_heads=1) is None
+                   mask_heads=1, dropout_prob=0.1, deterministic=False, dropout_rng=jax.random.key(0)) is None
     assert _reason(jnp.bfloat16, head_dim=192, v_dim=128, causal=True) is None
 
 
 def test_explicit_platform_names_what_it_declines():
     call = make_call()
-    with pytest.raises(ValueError, match="pallas:flash cannot run this call: the flash kernels take no dropout"):
-        attention(call.query, call.key, call.value, None, jax.random.key(0), dropout_prob=0.1, deterministic=False,
-                  cfg=FLASH)
+    with pytest.raises(ValueError, match="pallas:flash cannot run this call: the flash kernels compute the softmax"):
+        attention(call.query, call.key, call.value, softmax_dtype=jnp.bfloat16, cfg=FLASH)
 
 
 def test_rows_that_see_nothing_give_zeros_and_zero_gradients():

@@ -1,10 +1,10 @@
-"""`attention` as flash attention in Pallas (Triton lowering): the options cuDNN lacks, fused.
+"""`attention` as flash attention in Pallas (Triton lowering): every option of `attention`, fused.
 
-Segment ids (packed sequences), attention sinks, the logits soft cap, a bias (with its gradient) and a dense
-mask, windows on both sides with hybrax's bottom-right alignment (Tq != Tk), fp32, any GQA ratio, head dims up
-to 256 (padded with zeros to a power of two: zero q / k columns add nothing to q.k, zero value columns fill
-output columns that are sliced off). Dropout stays with the XLA implementations. A bias or mask is read by
-query row, so one shared by the heads of a group is copied per head, and the bias's gradient is written whole
+Segment ids (packed sequences), attention sinks, the logits soft cap, a bias (with its gradient), a dense mask,
+dropout (the XLA implementations' counter-based mask, recomputed tile by tile), windows on both sides with
+hybrax's bottom-right alignment (Tq != Tk), fp32, any GQA ratio, head dims up to 256 (padded with zeros to a
+power of two: zero q / k columns add nothing to q.k, zero value columns fill output columns that are sliced
+off). A bias or mask is read by query row, so one shared by the heads of a group is copied per head, and the bias's gradient is written whole
 ([B, H, Tq, Tk] fp32) before its broadcast dims are summed: fine for the usual sizes, costly for long ones.
 
 The forward (`pallas_flash_fwd.py`) writes each row's logsumexp; the backward (`pallas_flash_bwd.py`)
@@ -37,8 +37,6 @@ def _padded_dim(size: int) -> int:
 
 def _supports(inv: Invocation) -> str | None:
     arrays, static = inv.arrays, inv.static
-    if arrays["dropout_seed"] is not None:
-        return "the flash kernels take no dropout"
     if static["dtype"] not in DTYPES:
         return f"the flash kernels need dtype bfloat16, float16 or float32, got {static['dtype']}"
     if static["softmax_dtype"] != jnp.float32:
@@ -93,7 +91,7 @@ def _geometry(p: AttentionProblem, block_q: int, block_k: int) -> Geometry:
         q_len=q_len, kv_len=kv_len, block_q=_blocks(q_len * group, block_q), block_k=_blocks(kv_len, block_k),
         group=group, window_left=p.window_left, window_right=p.window_right, scale=p.softmax_scale,
         soft_cap=p.logits_soft_cap, has_segments=p.q_segment_ids is not None, has_bias=p.bias is not None,
-        has_mask=p.mask is not None,
+        has_mask=p.mask is not None, dropout_prob=p.dropout_prob,
     )
 
 
@@ -147,6 +145,7 @@ def _padded_inputs(p: AttentionProblem, geometry: Geometry) -> dict:
     extras = Extras(
         q_segments=q_segments, kv_segments=scores.pad_axis(p.kv_segment_ids, 1, kv_rows, PADDING_SEGMENT),
         bias=_pairwise_rows(p.bias, geometry, jnp.float32), mask=_pairwise_rows(p.mask, geometry, jnp.int8),
+        dropout_seed=p.dropout_seed,
     )
     return dict(q=_to_rows(p.query, geometry, head_size), k=keys_and_width(p.key, head_size),
                 v=keys_and_width(p.value, value_size), extras=extras)

@@ -25,17 +25,19 @@ from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, mm_tn
 
 
 def _tile_grads(geometry: Geometry, q_block, k_block, q, k, v, d_out, lse, delta, extras: Extras, rows, keys,
-                dtype, precision, masked: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights W, cotangents dS of the capped argument, which are also the bias's) of one [block_q, block_k]
-    tile, fp32; `masked`: apply visibility."""
+                row_hashes, dtype, precision, masked: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights W after dropout, cotangents dS of the capped argument, which are also the bias's) of one
+    [block_q, block_k] tile, fp32; `masked`: apply visibility."""
     logits, tanh = geometry.logits(q, k, extras, rows, keys, dtype, precision)
     weights = jnp.exp(logits - lse[:, None])
     if masked:
         weights = jnp.where(geometry.visible(q_block, k_block, extras, rows, keys), weights, 0.0)
-    d_logits = weights * (mm_t(d_out, v, dtype, precision) - delta[:, None])
+    # With dropout Z: out = (W * Z) V, so dW = Z * dO V^T, and the softmax backward runs on dW.
+    d_weights = geometry.dropout(row_hashes, k_block, mm_t(d_out, v, dtype, precision))
+    d_logits = weights * (d_weights - delta[:, None])
     if tanh is not None:
         d_logits = d_logits * (1.0 - tanh * tanh)
-    return weights, d_logits
+    return geometry.dropout(row_hashes, k_block, weights), d_logits
 
 
 def _dq_kernel(*refs, geometry: Geometry, interpret: bool) -> None:
@@ -47,12 +49,13 @@ def _dq_kernel(*refs, geometry: Geometry, interpret: bool) -> None:
     q_block, block_k = pl.program_id(0), geometry.block_k
     q, d_out, lse, delta = q_ref[...], d_out_ref[...], lse_ref[...], delta_ref[...]
     rows = slice(None)
+    row_hashes = geometry.dropout_rows(extras, pl.program_id(1), pl.program_id(2), q_block)
 
     def step(k_block: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
         keys = pl.ds(k_block * block_k, block_k)
         k = k_ref[keys, :]
         _, d_logits = _tile_grads(geometry, q_block, k_block, q, k, v_ref[keys, :], d_out, lse, delta, extras,
-                                  rows, keys, dtype, precision, masked)
+                                  rows, keys, row_hashes, dtype, precision, masked)
         if d_bias_ref is not None:
             d_bias_ref[:, keys] = d_logits
         return dq + mm(d_logits, k, dtype, precision)
@@ -73,7 +76,7 @@ def _dkdv_kernel(*refs, geometry: Geometry, interpret: bool) -> None:
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest = refs
     extras, (dk_ref, dv_ref) = Extras.take(geometry, rest)
     dtype, precision = dot_settings(q_ref.dtype, interpret)
-    k_block = pl.program_id(0)
+    k_block, batch_index, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     keys = slice(None)
 
@@ -81,8 +84,9 @@ def _dkdv_kernel(*refs, geometry: Geometry, interpret: bool) -> None:
         dk, dv = carry
         rows = pl.ds(q_block * geometry.block_q, geometry.block_q)
         q, d_out = q_ref[rows, :], d_out_ref[rows, :]
+        row_hashes = geometry.dropout_rows(extras, batch_index, kv_head, q_block)
         weights, d_logits = _tile_grads(geometry, q_block, k_block, q, k, v, d_out, lse_ref[rows], delta_ref[rows],
-                                        extras, rows, keys, dtype, precision, masked)
+                                        extras, rows, keys, row_hashes, dtype, precision, masked)
         return dk + mm_tn(d_logits, q, dtype, precision), dv + mm_tn(weights, d_out, dtype, precision)
 
     bounds = geometry.query_blocks(k_block)

@@ -32,6 +32,7 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
     q_block = pl.program_id(0)
     q = q_ref[...]
     rows = slice(None)  # the program's rows are its whole blocks of the extras
+    row_hashes = geometry.dropout_rows(extras, pl.program_id(1), pl.program_id(2), q_block)
 
     def step(k_block: jax.Array, carry: tuple, masked: bool) -> tuple:
         row_max, row_sum, acc = carry
@@ -44,7 +45,9 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
         weights = jnp.exp(logits - shift[:, None])
         rescale = jnp.exp(row_max - shift)
         row_sum = row_sum * rescale + jnp.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + mm(weights, v_ref[keys, :], dtype, precision)
+        # Dropout after the normalization: the denominator counts every weight, the values only the kept ones.
+        kept = geometry.dropout(row_hashes, k_block, weights)
+        acc = acc * rescale[:, None] + mm(kept, v_ref[keys, :], dtype, precision)
         return new_max, row_sum, acc
 
     if has_sinks:

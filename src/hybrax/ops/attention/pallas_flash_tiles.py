@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from hybrax.ops.attention.mask import PADDING_SEGMENT
+from hybrax.ops.attention.scores import coordinate, keep_threshold, mix
 from hybrax.ops.pallas_shared import mm_t
 
 
@@ -40,6 +41,7 @@ class Geometry(NamedTuple):
     has_segments: bool
     has_bias: bool = False
     has_mask: bool = False
+    dropout_prob: float = 0.0
 
     @property
     def masks_every_tile(self) -> bool:
@@ -155,14 +157,38 @@ class Geometry(NamedTuple):
         return self.soft_cap * tanh, tanh
 
 
+    def dropout_rows(self, extras: "Extras", batch_index: jax.Array, kv_head: jax.Array, q_block: jax.Array
+                     ) -> jax.Array | None:
+        """uint32 [block_q]: each row's dropout hash of (seed, batch, head, query position), the prefix of
+        `scores.dropout_keep`'s (so the kernels drop exactly what the XLA implementations drop); None without
+        dropout."""
+        if not self.dropout_prob:
+            return None
+        row = q_block * self.block_q + lax.iota(jnp.int32, self.block_q)
+        head = kv_head * self.group + row % self.group
+        x = mix(extras.dropout_seed[0] ^ coordinate(extras.dropout_seed[1]))
+        x = mix(x ^ coordinate(batch_index))
+        x = mix(x ^ coordinate(head))
+        return mix(x ^ coordinate(row // self.group))
+
+    def dropout(self, row_hashes: jax.Array | None, k_block: jax.Array, weights: jax.Array) -> jax.Array:
+        """weights with the dropped entries 0 and the kept ones scaled by 1 / (1 - dropout_prob)."""
+        if row_hashes is None:
+            return weights
+        col = k_block * self.block_k + lax.iota(jnp.int32, self.block_k)
+        keep = mix(row_hashes[:, None] ^ coordinate(col)[None, :]) < jnp.uint32(keep_threshold(self.dropout_prob))
+        return jnp.where(keep, weights * (1.0 / (1.0 - self.dropout_prob)), 0.0)
+
+
 class Extras(NamedTuple):
     """The refs of a call's optional inputs, by query row and key: segment ids [R] / [Tk], bias [R, Tk] fp32,
-    mask [R, Tk] int8 (nonzero keeps). Launch order: segments, bias, mask."""
+    mask [R, Tk] int8 (nonzero keeps), dropout seed [2] uint32. Launch order: segments, bias, mask, seed."""
 
     q_segments: Any = None
     kv_segments: Any = None
     bias: Any = None
     mask: Any = None
+    dropout_seed: Any = None
 
     @classmethod
     def take(cls, geometry: Geometry, refs: list) -> tuple["Extras", list]:
@@ -174,6 +200,8 @@ class Extras(NamedTuple):
             found["bias"], *refs = refs
         if geometry.has_mask:
             found["mask"], *refs = refs
+        if geometry.dropout_prob:
+            found["dropout_seed"], *refs = refs
         return cls(**found), refs
 
 
@@ -201,6 +229,9 @@ def extras_specs(geometry: Geometry, extras: Extras, rows: int, kv_len: int, per
             specs.append(pl.BlockSpec((None, None, row_block, key_block),
                                       lambda i, b, h, batch_of=batch_of, head_of=head_of:
                                       (batch_of(b), head_of(h), *along(i))))
+    if geometry.dropout_prob:
+        arrays.append(extras.dropout_seed)
+        specs.append(pl.BlockSpec((2,), lambda i, b, h: (0,)))
     return arrays, specs
 
 

@@ -84,7 +84,7 @@ def visible(
     return seen
 
 
-def _mix(x: jax.Array) -> jax.Array:
+def mix(x: jax.Array) -> jax.Array:
     """A 32-bit integer finalizer (lowbias32): every input bit flips each output bit with p ~ 1/2."""
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x7FEB352D)
@@ -93,8 +93,8 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def _coordinate(index: jax.Array) -> jax.Array:
-    return _mix(index.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
+def coordinate(index: jax.Array) -> jax.Array:
+    return mix(index.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
 
 
 def dropout_keep(
@@ -104,13 +104,17 @@ def dropout_keep(
     draws the same mask and the backward pass recomputes it instead of storing it."""
     batch, _, num_kv_heads, group, _ = p.query.shape
     heads = jnp.arange(num_kv_heads * group).reshape(num_kv_heads, group)
-    x = _mix(p.dropout_seed[0] ^ _coordinate(p.dropout_seed[1]))
-    x = _mix(x ^ _coordinate(jnp.arange(batch))[:, None, None, None, None])
-    x = _mix(x ^ _coordinate(heads)[None, :, :, None, None])
-    x = _mix(x ^ _coordinate(q_pos)[:, None])
-    x = _mix(x ^ _coordinate(k_pos))
-    threshold = min(round((1.0 - p.dropout_prob) * 2**32), 2**32 - 1)
-    return x < jnp.uint32(threshold)
+    x = mix(p.dropout_seed[0] ^ coordinate(p.dropout_seed[1]))
+    x = mix(x ^ coordinate(jnp.arange(batch))[:, None, None, None, None])
+    x = mix(x ^ coordinate(heads)[None, :, :, None, None])
+    x = mix(x ^ coordinate(q_pos)[:, None])
+    x = mix(x ^ coordinate(k_pos))
+    return x < jnp.uint32(keep_threshold(p.dropout_prob))
+
+
+def keep_threshold(dropout_prob: float) -> int:
+    """A hash below this keeps its weight: probability 1 - dropout_prob."""
+    return min(round((1.0 - dropout_prob) * 2**32), 2**32 - 1)
 
 
 def apply_dropout(p: AttentionProblem, weights: jax.Array, keep: jax.Array | None) -> jax.Array:
