@@ -95,7 +95,8 @@ def test_in_place_kernel_names_what_it_declines():
     k_pool, v_pool = _pools(0)
     q, k, v = _tokens(1, 2, 1)
     args = (q, k, v, k_pool[:, :30], v_pool[:, :30], jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32))
-    with pytest.raises(ValueError, match="pallas:in_place: the in-place kernel needs a max_len that is a multiple of 16, got 30"):
+    with pytest.raises(ValueError, match="pallas:in_place: the in-place kernel needs a max_len that is a multiple "
+                                         "of 16, got 30"):
         attention_decode_pool(*args, platform="pallas")
 
 

@@ -4,8 +4,9 @@ Segment ids (packed sequences), attention sinks, the logits soft cap, a bias (wi
 dropout (the XLA implementations' counter-based mask, recomputed tile by tile), windows on both sides with
 hybrax's bottom-right alignment (Tq != Tk), fp32, any GQA ratio, head dims up to 256 (padded with zeros to a
 power of two: zero q / k columns add nothing to q.k, zero value columns fill output columns that are sliced
-off). A bias or mask is read by query row, so one shared by the heads of a group is copied per head, and the bias's gradient is written whole
-([B, H, Tq, Tk] fp32) before its broadcast dims are summed: fine for the usual sizes, costly for long ones.
+off). A bias or mask is read by query row, so one shared by the heads of a group is copied per head, and the
+bias's gradient is written whole ([B, H, Tq, Tk] fp32) before its broadcast dims are summed: fine for the usual
+sizes, costly for long ones.
 
 The forward (`pallas_flash_fwd.py`) writes each row's logsumexp; the backward (`pallas_flash_bwd.py`)
 recomputes the weights from it. Lengths are padded to whole blocks; padded rows and keys are invisible.
