@@ -1,5 +1,6 @@
-"""recurrent_attention on a GPU: ours (XLA chunked and scan) beside flash-linear-attention's chunk_gla (per-key
-gate gk) and chunk_simple_gla (per-head scalar gate g), one run, same inputs.
+"""recurrent_attention on a GPU: ours (XLA chunked and scan, and the Pallas forward on KDA's kernels with the XLA
+backward) beside flash-linear-attention's chunk_gla (per-key gate gk) and chunk_simple_gla (per-head scalar gate
+g), one run, same inputs.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:src python3 benchmarks/recurrent_gpu.py [--no-fla]
@@ -29,7 +30,8 @@ from hybrax.core import relative_error  # noqa: E402
 SHAPES = [(1, 8192, 16, 128), (8, 2048, 16, 128)]  # (batch, seq_len, heads, dim)
 SMOKE_SHAPES = [(1, 64, 2, 16)]
 IMPLEMENTATIONS = {"xla:chunked": RecurrentAttentionConfig("xla", "chunked"),
-                   "xla:scan": RecurrentAttentionConfig("xla", "scan")}
+                   "xla:scan": RecurrentAttentionConfig("xla", "scan"),
+                   "pallas:chunked": RecurrentAttentionConfig("pallas", "chunked")}
 
 
 def make_inputs(shape, gate: str, seed: int = 0):

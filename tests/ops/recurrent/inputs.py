@@ -18,6 +18,8 @@ IMPLS = {
     "scan": RecurrentAttentionConfig("xla", "scan"),
     "chunked": RecurrentAttentionConfig("xla", "chunked", chunk_size=16),
 }
+# The Pallas forward (KDA's kernels, interpret mode off the GPU): no gv, reverse or cu_seqlens.
+PALLAS = RecurrentAttentionConfig("pallas", "chunked", chunk_size=16)
 ARG_NAMES = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "initial_state", "cu_seqlens")
 
 

@@ -13,7 +13,7 @@ import pytest
 from hybrax import RecurrentAttentionConfig, recurrent_attention
 from hybrax.ops.recurrent.reference import recurrent_reference
 from tests.helpers import TOLERANCE, assert_close
-from tests.ops.recurrent.inputs import ARG_NAMES, IMPLS, make_call, normal
+from tests.ops.recurrent.inputs import ARG_NAMES, IMPLS, PALLAS, make_call, normal
 
 FP32 = TOLERANCE[jnp.float32]
 GATE_TOLERANCE_STRONG = 5e-5  # measured up to 1.5e-5
@@ -26,6 +26,9 @@ LAYOUTS = {
     "packed": dict(cu_seqlens=[0, 0, 6, 6, 19], g_per_key=True),
     # strong gates: a fifth of them -1000
     "strong": dict(seq_len=19, g_per_key=True, strong_fraction=0.2),
+    # the gates along the key axis alone (what the Pallas forward takes), plain and strong
+    "key_gates": dict(seq_len=19, g_gamma_batched=True, gates=("g", "g_gamma", "gk")),
+    "strong_key_gates": dict(seq_len=19, g_per_key=True, strong_fraction=0.2, gates=("g", "g_gamma", "gk")),
 }
 
 
@@ -81,6 +84,19 @@ def test_gradients_match_float64_reference(impl, layout, reverse):
         # Gate gradients are suffix sums of q*dq - k*dk (engine.py): when a decay is exactly zero the true
         # gradient vanishes by cancellation of O(1) terms, which fp32 leaves at ~eps * sqrt(T) of them.
         tol = GATE_TOLERANCE_STRONG if layout == "strong" and name.startswith("g") else FP32
+        assert_close(got, want, tol, what=f"d{name}")
+
+
+@pytest.mark.parametrize("layout", ["key_gates", "strong_key_gates"])
+def test_pallas_forward_gradients_match_float64_reference(layout):
+    """The Pallas forward (interpret mode here) with the XLA chunked backward on its residuals. With strong
+    gates the final state it hands the backward carries the forward's cumulative-gate rounding
+    (test_recurrent_pallas.py), which the gate gradients' cancellation magnifies: 3e-4."""
+    call, weights, expected = _reference_case(layout, False)
+    ours = _our_gradients(call, PALLAS, weights)
+    for index, got, want in zip(_present(call), ours, expected, strict=True):
+        name = DIFFERENTIABLE[index]
+        tol = 3e-4 if layout.startswith("strong") and name.startswith("g") else FP32
         assert_close(got, want, tol, what=f"d{name}")
 
 

@@ -251,4 +251,4 @@ def recurrent_attention(
 
 
 # Backends register themselves on import.
-from hybrax.ops.recurrent import xla_chunked, xla_scan  # noqa: E402, F401
+from hybrax.ops.recurrent import pallas_chunked, xla_chunked, xla_scan  # noqa: E402, F401

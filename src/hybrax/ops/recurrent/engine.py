@@ -43,7 +43,7 @@ def compute_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _expand_heads(x: jax.Array, num_heads: int) -> jax.Array:
+def expand_heads(x: jax.Array, num_heads: int) -> jax.Array:
     return jnp.repeat(x, num_heads // x.shape[2], axis=2)
 
 
@@ -52,7 +52,8 @@ def _reduce_heads(x: jax.Array, num_kv_heads: int) -> jax.Array:
     return x.reshape(batch, seq_len, num_kv_heads, num_heads // num_kv_heads, dim).sum(3)
 
 
-def _key_log_decay(problem: Any, dtype: Any) -> jax.Array | None:
+def key_log_decay(problem: Any, dtype: Any) -> jax.Array | None:
+    """The log decay along the key axis, [B, T, H, K] or [B, T, H, 1] (per head only); None without one."""
     scalar, per_key = problem.g_scalar, problem.g_key
     if per_key is None:
         return None if scalar is None else scalar.astype(dtype)[..., None]
@@ -65,9 +66,9 @@ def engine_inputs(problem: Any) -> EngineInputs:
     cast = lambda x: None if x is None else x.astype(dtype)  # noqa: E731
     return EngineInputs(
         q=problem.query.astype(dtype) * problem.scale,
-        k=_expand_heads(problem.key.astype(dtype), num_heads),
-        v=_expand_heads(problem.value.astype(dtype), num_heads),
-        log_k=_key_log_decay(problem, dtype),
+        k=expand_heads(problem.key.astype(dtype), num_heads),
+        v=expand_heads(problem.value.astype(dtype), num_heads),
+        log_k=key_log_decay(problem, dtype),
         log_v=cast(problem.g_value),
         h0=cast(problem.initial_state),
         cu_seqlens=problem.cu_seqlens,

@@ -281,11 +281,11 @@ def _heuristic(inv) -> RecurrentAttentionConfig:
     return RecurrentAttentionConfig(chunk_size=64 if seq_len >= 64 else 16)
 
 
-_fwd, _bwd = vjp_rules(chunked_recurrence)
+_fwd, vjp_backward = vjp_rules(chunked_recurrence)  # the backward also serves the Pallas forward
 
 
 @register(OP_ID, "xla", "chunked", priority=2, heuristic_cfg=_heuristic,
           candidate_cfgs=lambda inv: [RecurrentAttentionConfig(chunk_size=c) for c in CHUNK_SIZES],
-          fwd=_fwd, bwd=_bwd)
+          fwd=_fwd, bwd=vjp_backward)
 def chunked(problem, cfg: RecurrentAttentionConfig):
     return forward(chunked_recurrence, problem, cfg)
