@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
 
-from hybrax.ops.attention.pallas_flash_tiles import Extras, Geometry, extras_specs, masked_loop
+from hybrax.ops.attention.pallas_flash_tiles import Extras, Geometry, extras_specs, masked_loop, online_softmax
 from hybrax.ops.pallas_shared import dot_settings, mm
 
 
@@ -40,11 +40,7 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
         logits, _ = geometry.logits(q, k_ref[keys, :], extras, rows, keys, dtype, precision)
         if masked:
             logits = jnp.where(geometry.visible(q_block, k_block, extras, rows, keys), logits, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
-        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows that have seen nothing yet: no inf - inf
-        weights = jnp.exp(logits - shift[:, None])
-        rescale = jnp.exp(row_max - shift)
-        row_sum = row_sum * rescale + jnp.sum(weights, axis=1)
+        new_max, row_sum, weights, rescale = online_softmax(row_max, row_sum, logits)
         # Dropout after the normalization: the denominator counts every weight, the values only the kept ones.
         kept = geometry.dropout(row_hashes, k_block, weights)
         acc = acc * rescale[:, None] + mm(kept, v_ref[keys, :], dtype, precision)

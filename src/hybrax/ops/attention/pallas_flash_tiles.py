@@ -242,3 +242,15 @@ def masked_loop(bounds: tuple[jax.Array, jax.Array], whole: tuple[jax.Array, jax
     carry = lax.fori_loop(first, whole_first, lambda index, c: step(index, c, True), carry)
     carry = lax.fori_loop(whole_first, whole_end, lambda index, c: step(index, c, False), carry)
     return lax.fori_loop(whole_end, end, lambda index, c: step(index, c, True), carry)
+
+
+def online_softmax(row_max: jax.Array, row_sum: jax.Array, logits: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One key block of the online softmax: (new running max, new denominator, the block's weights, the factor
+    that rescales what was accumulated before). Hidden logits are -inf; rows that have seen nothing yet keep a
+    max of -inf and shift by 0, so no inf - inf appears."""
+    new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+    shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    weights = jnp.exp(logits - shift[:, None])
+    rescale = jnp.exp(row_max - shift)
+    return new_max, row_sum * rescale + jnp.sum(weights, axis=1), weights, rescale

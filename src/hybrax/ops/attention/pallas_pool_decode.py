@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from hybrax.ops.attention.pallas_flash_tiles import online_softmax
 from hybrax.ops.pallas_shared import dot_settings, mm, mm_t
 
 
@@ -68,11 +69,7 @@ def _kernel(slots_ref, cached_ref, new_ref, q_ref, k_pool_ref, v_pool_ref, out_r
         if geometry.window is not None:
             seen &= col >= position[:, None] - geometry.window
         logits = jnp.where(seen, logits, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
-        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        weights = jnp.exp(logits - shift[:, None])
-        rescale = jnp.exp(row_max - shift)
-        row_sum = row_sum * rescale + jnp.sum(weights, axis=1)
+        new_max, row_sum, weights, rescale = online_softmax(row_max, row_sum, logits)
         acc = acc * rescale[:, None] + mm(weights, v_pool_ref[row_slot, keys, head, :], dtype, precision)
         return new_max, row_sum, acc
 
