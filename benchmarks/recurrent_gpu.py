@@ -1,5 +1,5 @@
-"""recurrent_attention on a GPU: ours (XLA chunked and scan, and the Pallas forward on KDA's kernels with the XLA
-backward) beside flash-linear-attention's chunk_gla (per-key gate gk) and chunk_simple_gla (per-head scalar gate
+"""recurrent_attention on a GPU: ours (XLA chunked and scan, and the Pallas path on KDA's kernels with beta = 0)
+beside flash-linear-attention's chunk_gla (per-key gate gk) and chunk_simple_gla (per-head scalar gate
 g), one run, same inputs.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

@@ -1,5 +1,6 @@
-"""The Pallas forward (KDA's chunk kernels with beta = 0, interpret mode here) against the float64 reference:
-every gate along the key axis, strong gates, ragged lengths, GQA, bf16; and what it declines."""
+"""The Pallas path (KDA's chunk kernels with beta = 0, interpret mode here) against the float64 reference:
+every gate along the key axis, strong gates, ragged lengths, GQA, bf16; and what it declines. Its gradients:
+test_recurrent_gradients.py."""
 
 from __future__ import annotations
 

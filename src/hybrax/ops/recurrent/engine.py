@@ -47,7 +47,7 @@ def expand_heads(x: jax.Array, num_heads: int) -> jax.Array:
     return jnp.repeat(x, num_heads // x.shape[2], axis=2)
 
 
-def _reduce_heads(x: jax.Array, num_kv_heads: int) -> jax.Array:
+def reduce_heads(x: jax.Array, num_kv_heads: int) -> jax.Array:
     batch, seq_len, num_heads, dim = x.shape
     return x.reshape(batch, seq_len, num_kv_heads, num_heads // num_kv_heads, dim).sum(3)
 
@@ -194,8 +194,8 @@ def vjp_rules(engine: Engine) -> tuple[Callable, Callable]:
         return cotangent(
             problem,
             query=(dq * problem.scale).astype(problem.query.dtype),
-            key=_reduce_heads(dk, num_kv_heads).astype(problem.key.dtype),
-            value=_reduce_heads(dv, num_kv_heads).astype(problem.value.dtype),
+            key=reduce_heads(dk, num_kv_heads).astype(problem.key.dtype),
+            value=reduce_heads(dv, num_kv_heads).astype(problem.value.dtype),
             **grads,
         )
 
