@@ -70,7 +70,8 @@ def attention_cases() -> list[Case]:
 
 
 def recurrent_cases() -> list[Case]:
-    """Both implementations, per-key and per-head gates, packed sequences; outputs and final states."""
+    """Both XLA implementations, per-key and per-head gates, packed sequences, and the Pallas path (interpret mode
+    off the GPU) where it applies (gates along the key axis); outputs and final states."""
     from hybrax import RecurrentAttentionConfig, recurrent_attention
     from hybrax.ops.recurrent.reference import recurrent_reference
 
@@ -97,11 +98,15 @@ def recurrent_cases() -> list[Case]:
     cases = []
     for gates, args in calls.items():
         reverse = "reverse" in gates
-        for cfg in (RecurrentAttentionConfig("xla", "scan"), RecurrentAttentionConfig("xla", "chunked")):
+        configs = [RecurrentAttentionConfig("xla", "scan"), RecurrentAttentionConfig("xla", "chunked")]
+        if gates == "gk,h0":
+            configs.append(RecurrentAttentionConfig("pallas", "chunked"))
+        for cfg in configs:
             run = jax.jit(lambda *a, cfg=cfg, reverse=reverse: recurrent_attention(
                 *a, reverse=reverse, return_state=True, cfg=cfg))
             cases.append(Case(
-                "recurrent_attention", f"xla:{cfg.backend}", f"{gates} {args[0].shape[0]}x{seq_len}x{heads}x{dim}",
+                "recurrent_attention", f"{cfg.platform}:{cfg.backend}",
+                f"{gates} {args[0].shape[0]}x{seq_len}x{heads}x{dim}",
                 run=lambda run=run, args=args: run(*args),
                 reference=lambda args=args, reverse=reverse: recurrent_reference(*args, reverse=reverse),
             ))
