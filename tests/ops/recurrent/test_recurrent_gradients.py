@@ -29,6 +29,7 @@ LAYOUTS = {
     # the gates along the key axis alone (what the Pallas forward takes), plain and strong
     "key_gates": dict(seq_len=19, g_gamma_batched=True, gates=("g", "g_gamma", "gk")),
     "strong_key_gates": dict(seq_len=19, g_per_key=True, strong_fraction=0.2, gates=("g", "g_gamma", "gk")),
+    "packed_key_gates": dict(cu_seqlens=[0, 0, 6, 6, 19], g_per_key=True, gates=("g", "gk")),
 }
 
 
@@ -87,9 +88,9 @@ def test_gradients_match_float64_reference(impl, layout, reverse):
         assert_close(got, want, tol, what=f"d{name}")
 
 
-@pytest.mark.parametrize("layout", ["key_gates", "strong_key_gates"])
+@pytest.mark.parametrize("layout", ["key_gates", "strong_key_gates", "packed_key_gates"])
 def test_pallas_gradients_match_float64_reference(layout):
-    """The Pallas forward and backward (KDA's stages with beta = 0; interpret mode here). With strong gates the
+    """The Pallas forward and backward (KDA's stages without the delta rule; interpret mode here). With strong gates the
     chunk-local fp32 cumulative gate's rounding near -1000 (6e-5 absolute) bounds the agreement, as in KDA's
     Pallas backward (test_pallas_chunk_bwd.py): 5e-4."""
     call, weights, expected = _reference_case(layout, False)

@@ -1,5 +1,6 @@
-"""The Pallas path (KDA's chunk kernels with beta = 0, interpret mode here) against the float64 reference:
-every gate along the key axis, strong gates, ragged lengths, GQA, bf16; and what it declines. Its gradients:
+"""The Pallas path (KDA's chunk kernels without the delta rule, interpret mode here) against the float64
+reference: every gate along the key axis, strong gates, ragged lengths, packed sequences, GQA, bf16; and what it
+declines. Its gradients:
 test_recurrent_gradients.py."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ CASES = {
     "one_token": dict(gates=("gk",), seq_len=1),
     "one_chunk": dict(gates=("gk",), seq_len=16),
     "mha_wide_heads": dict(gates=("gk",), heads=2, kv_heads=2, key_dim=32, value_dim=24),
+    "packed_with_empty_sequences": dict(gates=("g", "gk"), cu_seqlens=[0, 0, 5, 5, 27, 40]),
+    "packed_one_token_no_state": dict(gates=("gk",), cu_seqlens=[0, 1, 18], initial_state=False),
 }
 
 
@@ -46,7 +49,6 @@ def test_bf16():
 @pytest.mark.parametrize(("options", "reason"), [
     (dict(gates=("gk", "gv")), "value gate"),
     (dict(gates=("gk",), reverse=True), "reverse=False"),
-    (dict(gates=("gk",), cu_seqlens=[0, 5, 12]), "cu_seqlens"),
 ])
 def test_declines_with_the_reason(options, reason):
     call = make_call(5, **options)

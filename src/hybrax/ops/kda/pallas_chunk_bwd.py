@@ -35,7 +35,7 @@ def _per_key_head(x: jax.Array, heads: int) -> jax.Array:
     return x.reshape(batch, length, heads, value_heads // heads, dk).sum(axis=3)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "delta_rule", "interpret"))
 def kda_chunk_bwd(
     q: Float[Array, "B T H K"],
     k: Float[Array, "B T H K"],
@@ -52,20 +52,22 @@ def kda_chunk_bwd(
     scale: float,
     l2_normalize: bool = True,
     chunk: int = 64,
+    delta_rule: bool = True,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """The cotangents (dq, dk, dv, dg, dbeta, d initial state) of `kda_chunk_fwd`'s (o, final state);
     each in its input's dtype (d initial state None when the initial state is None). `segments` as
     in `kda_chunk_fwd`; `solved`: the forward's T and A_qk (recomputed when None). With `packing` too, the
     inputs and their cotangents are packed rows (the kernels read them in place) and d_out, T and A_qk
-    are in the padded layout."""
+    are in the padded layout. Without `delta_rule` (gated linear attention: v_new = v) dv is the state pass's
+    dv_new, and dbeta means nothing."""
     length, heads, dk = q.shape[1], q.shape[2], q.shape[3]
     dv = v.shape[3]
     chunks = None if packing is None else packing.chunks
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk, pad_length=packing is None)
     normalized, normalize_vjp = jax.vjp(lambda q, k: normalize_qk(q, k, scale, l2_normalize), x.q, x.k)
     qn, kn = (y.astype(x.q.dtype) for y in normalized)  # as the forward's kernels read them
-    s = forward_stages(x, qn, kn, segments, solved, chunks, chunk=chunk, interpret=interpret)
+    s = forward_stages(x, qn, kn, segments, solved, chunks, chunk=chunk, delta_rule=delta_rule, interpret=interpret)
     d_out = pad_to(d_out.astype(x.v.dtype), {1: s.g.shape[1], 3: x.v.shape[3]})
     d_final = pad_to(d_final.astype(jnp.float32), {2: x.k.shape[3], 3: x.v.shape[3]})
 
@@ -82,6 +84,8 @@ def kda_chunk_bwd(
         qn, kn, s.g, x.beta, daqk, dakk, chunks, chunk=chunk, interpret=interpret
     )
     dg = chunk_local_cumsum(dg + dg_intra, chunk=chunk, reverse=True, interpret=interpret)
+    if not delta_rule:
+        dv_ = dv_new
 
     def rows(x):  # the padded layout -> the rows of x (packed: the tokens')
         return x if packing is None else from_packed_rows(x, packing)

@@ -135,15 +135,35 @@ def solve_chunks(
     return g, solved, chunk_wy(q, k, x.v, g, x.beta, solved.inverse, packed, chunk=chunk, interpret=interpret)
 
 
+def without_delta_rule(w: jax.Array, v: jax.Array, packed: PackedChunks | None, chunk: int
+                       ) -> tuple[jax.Array, jax.Array]:
+    """The WY pair (w, u) of gated linear attention: the state pass's v_new = u - w S is then v itself, in the
+    padded layout (packed rows gathered into it). With beta = 0 the intra kernel's w is 0 already; its u,
+    T beta v, would be 0 too."""
+    return jnp.zeros_like(w), v if packed is None else packed_to_padded(v, packed, chunk)
+
+
+def packed_to_padded(x: jax.Array, packed: PackedChunks, chunk: int) -> jax.Array:
+    """Packed rows [1, T, ...] -> the padded layout [1, NT * chunk, ...]: chunk c's rows are tokens
+    start[c] ... start[c] + count[c] - 1, then zeros."""
+    offset = jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    token = jnp.minimum(packed.start[:, None] + offset, x.shape[1] - 1).reshape(-1)
+    inside = (offset < packed.count[:, None]).reshape(-1)
+    rows = jnp.take(x[0], token, axis=0)
+    return jnp.where(inside.reshape(-1, *([1] * (rows.ndim - 1))), rows, jnp.zeros((), x.dtype))[None]
+
+
 def forward_stages(
     x: Padded, q: jax.Array, k: jax.Array, segments: Segments | None = None, solved: Solved | None = None,
-    packed: PackedChunks | None = None, *, chunk: int, interpret: bool = False,
+    packed: PackedChunks | None = None, *, chunk: int, delta_rule: bool = True, interpret: bool = False,
 ) -> Stages:
     """What the backward needs of the forward, on padded inputs or packed rows (`solve_chunks`, then the
     state pass storing every chunk's state)."""
     g, (inverse, aqk), (w, u, kg, qg, decay) = solve_chunks(
         x, q, k, solved, packed, chunk=chunk, interpret=interpret
     )
+    if not delta_rule:
+        w, u = without_delta_rule(w, x.v, packed, chunk)
     h, v_new, _ = chunk_state(w, u, kg, decay, x.initial_state, segments, chunk=chunk, interpret=interpret)
     return Stages(q, k, g, inverse, aqk, w, kg, qg, decay, h, v_new)
 
@@ -156,7 +176,8 @@ def kda_chunk_fwd(*args, **kwargs) -> tuple[Float[Array, "B T HV V"], Float[Arra
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "with_inverse", "interpret"),
+    static_argnames=("scale", "l2_normalize", "chunk", "block_v", "state_warps", "with_inverse", "delta_rule",
+                     "interpret"),
 )
 def kda_chunk_fwd_solved(
     q: Float[Array, "B T H K"],
@@ -174,6 +195,7 @@ def kda_chunk_fwd_solved(
     block_v: int | None = None,
     state_warps: int = 4,
     with_inverse: bool = True,
+    delta_rule: bool = True,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"], Solved]:
     """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and T and A_qk
@@ -184,7 +206,8 @@ def kda_chunk_fwd_solved(
     batch of one holds packed sequences, each from a chunk boundary (`xla_chunked.packed_layout`), and
     initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V]. With `packed` too,
     the inputs are the packed rows themselves (the first kernels read each chunk's rows in place) and o
-    and T, A_qk come in the padded layout.
+    and T, A_qk come in the padded layout. Without `delta_rule`, gated linear attention (`without_delta_rule`;
+    beta is then unused, pass zeros).
     """
     dk, dv = q.shape[3], v.shape[3]
     x = pad_inputs(q, k, v, g, beta, initial_state, chunk, pad_length=packed is None)
@@ -195,6 +218,8 @@ def kda_chunk_fwd_solved(
         with_inverse=with_inverse, interpret=interpret,
     )
     solved = Solved(*scores)
+    if not delta_rule:
+        w, u = without_delta_rule(w, x.v, packed, chunk)
     o, final_state = chunk_state_output(
         w, u, kg, decay, qg, solved.aqk, x.initial_state, segments, chunk=chunk, block_v=block_v,
         num_warps=state_warps, interpret=interpret,

@@ -27,7 +27,7 @@ from hybrax.ops.kda.pallas_tiles import PackedChunks
 from hybrax.ops.kda.xla_chunked import Layout, from_packed_rows, packed_layout
 from hybrax.ops.pallas_shared import interpret_here
 
-STATIC = ("scale", "l2_normalize", "chunk", "interpret")
+STATIC = ("scale", "l2_normalize", "chunk", "interpret", "delta_rule")
 
 
 def packing(layout: Layout, length: int, chunk: int) -> Packing:
@@ -37,16 +37,17 @@ def packing(layout: Layout, length: int, chunk: int) -> Packing:
     return Packing(layout.source, layout.destination, PackedChunks(start, jnp.sum(rows < length, axis=1)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
 def kda_chunk(
     q, k, v, g, beta, initial_state, segments: Segments | None, packed: Packing | None, scale: float,
-    l2_normalize: bool, chunk: int, interpret: bool,
+    l2_normalize: bool, chunk: int, interpret: bool, delta_rule: bool = True,
 ):
     """(o, final state) of KDA on [B, T, H | HV, K | V] inputs; see `kda_chunk_fwd`. With `packed`, the
-    inputs are packed rows [1, T, ...] and o comes back in the padded layout."""
+    inputs are packed rows [1, T, ...] and o comes back in the padded layout. Without `delta_rule`, gated
+    linear attention (beta unused)."""
     return kda_chunk_fwd(
         q, k, v, g, beta, initial_state, segments, None if packed is None else packed.chunks, scale=scale,
-        l2_normalize=l2_normalize, chunk=chunk, interpret=interpret,
+        l2_normalize=l2_normalize, chunk=chunk, delta_rule=delta_rule, interpret=interpret,
     )
 
 
@@ -58,7 +59,7 @@ def _kda_chunk_fwd(q, k, v, g, beta, initial_state, segments, packed, *static):
 
 
 def _kda_chunk_bwd(*args):
-    static, ((*inputs, segments), packed, solved), (d_out, d_final) = args[:4], args[4], args[5]
+    static, ((*inputs, segments), packed, solved), (d_out, d_final) = args[:len(STATIC)], *args[len(STATIC):]
     grads = kda_chunk_bwd(*inputs, d_out, d_final, segments, solved, packed, **dict(zip(STATIC, static)))
     return (*grads, None, None)  # segments, packing: integer metadata, no cotangent
 
@@ -92,18 +93,29 @@ def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
 )
 def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     decay = jnp.broadcast_to(problem.decay, (*problem.beta.shape, problem.q.shape[3]))
-    inputs = (problem.q, problem.k, problem.v, decay, problem.beta)
-    initial_state, segments, layout, packed = problem.initial_state, None, None, None
-    if problem.cu_seqlens is not None:
-        layout = packed_layout(problem.cu_seqlens, problem.q.shape[1], cfg.chunk_size)
-        segments = Segments(*(x.astype(jnp.int32) for x in layout.segments))
-        packed = packing(layout, problem.q.shape[1], cfg.chunk_size)
-        if initial_state is None:
-            initial_state = jnp.zeros(problem.state_shape, jnp.float32)
-    o, final = kda_chunk(
-        *inputs, initial_state, segments, packed, problem.scale, problem.use_qk_l2norm, cfg.chunk_size,
-        interpret_here(),
+    return run_chunked(
+        problem.q, problem.k, problem.v, decay, problem.beta, problem.initial_state, problem.cu_seqlens,
+        problem.state_shape, scale=problem.scale, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size,
     )
+
+
+def run_chunked(
+    q: jax.Array, k: jax.Array, v: jax.Array, decay: jax.Array, beta: jax.Array, initial_state: jax.Array | None,
+    cu_seqlens: jax.Array | None, state_shape: tuple[int, ...], *, scale: float, l2_normalize: bool, chunk: int,
+    delta_rule: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """(o in q's dtype, final states) through the Pallas stages, with gradients; cu_seqlens packs sequences
+    (batch 1; initial states [N, ...] of `state_shape`, zeros when None). Without `delta_rule`, gated linear
+    attention (`recurrent_attention`'s Pallas path)."""
+    segments, layout, packed = None, None, None
+    if cu_seqlens is not None:
+        layout = packed_layout(cu_seqlens, q.shape[1], chunk)
+        segments = Segments(*(x.astype(jnp.int32) for x in layout.segments))
+        packed = packing(layout, q.shape[1], chunk)
+        if initial_state is None:
+            initial_state = jnp.zeros(state_shape, jnp.float32)
+    o, final = kda_chunk(q, k, v, decay, beta, initial_state, segments, packed, scale, l2_normalize, chunk,
+                         interpret_here(), delta_rule)
     if layout is not None:  # tokens of no sequence read zeros
         o = from_packed_rows(o, layout)
-    return o.astype(problem.q.dtype), final
+    return o.astype(q.dtype), final
