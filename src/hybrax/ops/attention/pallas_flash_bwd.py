@@ -33,11 +33,12 @@ def _tile_grads(geometry: Geometry, q_block, k_block, q, k, v, d_out, lse, delta
     if masked:
         weights = jnp.where(geometry.visible(q_block, k_block, extras, rows, keys), weights, 0.0)
     # With dropout Z: out = (W * Z) V, so dW = Z * dO V^T, and the softmax backward runs on dW.
-    d_weights = geometry.dropout(row_hashes, k_block, mm_t(d_out, v, dtype, precision))
+    keep = geometry.dropout_keep(row_hashes, k_block)
+    d_weights = geometry.dropout(keep, mm_t(d_out, v, dtype, precision))
     d_logits = weights * (d_weights - delta[:, None])
     if tanh is not None:
         d_logits = d_logits * (1.0 - tanh * tanh)
-    return geometry.dropout(row_hashes, k_block, weights), d_logits
+    return geometry.dropout(keep, weights), d_logits
 
 
 def _dq_kernel(*refs, geometry: Geometry, interpret: bool) -> None:

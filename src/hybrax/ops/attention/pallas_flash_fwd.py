@@ -42,7 +42,7 @@ def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool)
             logits = jnp.where(geometry.visible(q_block, k_block, extras, rows, keys), logits, -jnp.inf)
         new_max, row_sum, weights, rescale = online_softmax(row_max, row_sum, logits)
         # Dropout after the normalization: the denominator counts every weight, the values only the kept ones.
-        kept = geometry.dropout(row_hashes, k_block, weights)
+        kept = geometry.dropout(geometry.dropout_keep(row_hashes, k_block), weights)
         acc = acc * rescale[:, None] + mm(kept, v_ref[keys, :], dtype, precision)
         return new_max, row_sum, acc
 

@@ -171,13 +171,18 @@ class Geometry(NamedTuple):
         x = mix(x ^ coordinate(head))
         return mix(x ^ coordinate(row // self.group))
 
-    def dropout(self, row_hashes: jax.Array | None, k_block: jax.Array, weights: jax.Array) -> jax.Array:
-        """weights with the dropped entries 0 and the kept ones scaled by 1 / (1 - dropout_prob)."""
+    def dropout_keep(self, row_hashes: jax.Array | None, k_block: jax.Array) -> jax.Array | None:
+        """bool [block_q, block_k]: the tile's kept entries (`scores.dropout_keep`'s); None without dropout."""
         if row_hashes is None:
-            return weights
+            return None
         col = k_block * self.block_k + lax.iota(jnp.int32, self.block_k)
-        keep = mix(row_hashes[:, None] ^ coordinate(col)[None, :]) < jnp.uint32(keep_threshold(self.dropout_prob))
-        return jnp.where(keep, weights * (1.0 / (1.0 - self.dropout_prob)), 0.0)
+        return mix(row_hashes[:, None] ^ coordinate(col)[None, :]) < jnp.uint32(keep_threshold(self.dropout_prob))
+
+    def dropout(self, keep: jax.Array | None, x: jax.Array) -> jax.Array:
+        """x with the dropped entries 0 and the kept ones scaled by 1 / (1 - dropout_prob)."""
+        if keep is None:
+            return x
+        return jnp.where(keep, x * (1.0 / (1.0 - self.dropout_prob)), 0.0)
 
 
 class Extras(NamedTuple):
