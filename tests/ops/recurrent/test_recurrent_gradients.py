@@ -122,18 +122,24 @@ def test_gradients_match_finite_differences(impl, layout):
             assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric)), (DIFFERENTIABLE[index], numeric, analytic)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_gradients_under_vmap_and_checkpoint(impl):
-    calls = [make_call(seed, batch=1, seq_len=19, gates=("g", "gk", "gv")) for seed in (30, 31)]
-    cfg = IMPLS[impl]
+# name: (config, gates, seeds); the Pallas path takes no gv.
+VMAP_CASES = {**{impl: (cfg, ("g", "gk", "gv"), (30, 31)) for impl, cfg in IMPLS.items()},
+              "pallas": (PALLAS, ("g", "gk"), (32, 33))}
+
+
+@pytest.mark.parametrize("case", VMAP_CASES)
+def test_gradients_under_vmap_and_checkpoint(case):
+    cfg, gates, seeds = VMAP_CASES[case]
+    calls = [make_call(seed, batch=1, seq_len=19, gates=gates) for seed in seeds]
 
     def loss(*args):  # output only: the final state's cotangent is zero
         return jnp.sum(recurrent_attention(*args, cfg=cfg) ** 2)
 
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 5, 6, 7))
+    argnums = tuple(_present(calls[0]))
+    grad = jax.grad(loss, argnums=argnums)
     stacked = [None if a is None else jnp.stack([a, b]) for a, b in zip(calls[0].args(), calls[1].args())]
     batched = jax.jit(jax.vmap(grad))(*stacked)
-    rematerialized = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3, 5, 6, 7)))
+    rematerialized = jax.jit(jax.grad(jax.checkpoint(loss), argnums=argnums))
     for index, call in enumerate(calls):
         single = jax.jit(grad)(*call.args())
         for got, want in zip(batched, single, strict=True):
@@ -142,37 +148,19 @@ def test_gradients_under_vmap_and_checkpoint(impl):
             assert_close(got, np.asarray(want, np.float64), FP32)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_bfloat16_gradients(impl):
+# name: (config, gradient layout); the Pallas path takes no gv.
+BF16_CASES = {**{impl: (cfg, "batch") for impl, cfg in IMPLS.items()}, "pallas": (PALLAS, "key_gates")}
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bfloat16_gradients(case):
     """bf16 query/key/value/state get bf16 gradients (fp32 gates fp32 ones) within bf16 rounding."""
-    call, weights, expected = _reference_case("batch", False, jnp.bfloat16)
-    ours = _our_gradients(call, IMPLS[impl], weights)
+    cfg, layout = BF16_CASES[case]
+    call, weights, expected = _reference_case(layout, False, jnp.bfloat16)
+    ours = _our_gradients(call, cfg, weights)
     for index, got, want in zip(_present(call), ours, expected, strict=True):
         assert got.dtype == call.args()[index].dtype
         assert_close(got, want, TOLERANCE[jnp.bfloat16], what=f"d{DIFFERENTIABLE[index]}")
-
-
-def test_pallas_gradients_under_vmap_and_checkpoint_and_in_bf16():
-    """vmap and checkpoint agree with single calls; bf16 inputs get bf16 gradients within bf16 rounding."""
-    calls = [make_call(seed, batch=1, seq_len=19, gates=("g", "gk")) for seed in (32, 33)]
-
-    def loss(*args):
-        return jnp.sum(recurrent_attention(*args, cfg=PALLAS) ** 2)
-
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 5, 7))
-    stacked = [None if a is None else jnp.stack([a, b]) for a, b in zip(calls[0].args(), calls[1].args())]
-    batched = jax.jit(jax.vmap(grad))(*stacked)
-    rematerialized = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3, 5, 7)))
-    for index, call in enumerate(calls):
-        single = jax.jit(grad)(*call.args())
-        for got, want in zip(batched, single, strict=True):
-            assert_close(got[index], np.asarray(want, np.float64), FP32)
-        for got, want in zip(rematerialized(*call.args()), single, strict=True):
-            assert_close(got, np.asarray(want, np.float64), FP32)
-    call, weights, expected = _reference_case("key_gates", False, jnp.bfloat16)
-    for index, got, want in zip(_present(call), _our_gradients(call, PALLAS, weights), expected, strict=True):
-        assert got.dtype == call.args()[index].dtype
-        assert_close(got, want, TOLERANCE[jnp.bfloat16], what=f"d{DIFFERENTIABLE[index]} bf16")
 
 
 # Per-chunk states at the chunk size the heuristic picks off the CPU: T/64 of them.
