@@ -31,6 +31,7 @@ from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, prob
 from hybrax.core.validate import check_floating, check_integer, check_rank, check_shape
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
+from hybrax.ops.attention.pallas_flash_tiles import from_rows, head_rows, to_rows
 from hybrax.ops.attention.pallas_pool_decode import PoolGeometry, combine_splits, pool_decode_splits
 from hybrax.ops.pallas_shared import interpret_here
 from hybrax.serving.prefill import check_slots, gather_rows
@@ -191,19 +192,14 @@ def _in_place(p: AttentionPoolProblem, cfg: AttentionDecodePoolConfig) -> tuple[
         scale=head_dim**-0.5 if p.softmax_scale is None else p.softmax_scale, soft_cap=p.logits_soft_cap,
     )
     padded_rows = geometry.row_blocks * block_q
-    # [B, T, KV, G, D] -> [B, KV, T * G, D]: row t * G + g is token t of head g.
-    q_rows = jnp.reshape(jnp.moveaxis(jnp.reshape(p.q, (batch, tokens, kv_heads, group, head_dim)), 1, 2),
-                         (batch, kv_heads, rows, head_dim))
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0))).astype(k_pool.dtype)
+    q_rows = to_rows(jnp.reshape(p.q, (batch, tokens, kv_heads, group, head_dim)), padded_rows).astype(k_pool.dtype)
     splits, lse = pool_decode_splits(q_rows, k_pool, v_pool, p.slots, p.cached_lengths, p.new_lengths,
                                      geometry=geometry, num_warps=4, interpret=interpret_here())
     sinks = None
     if p.softmax_aux is not None:  # [H, N] -> each row's head's sinks [KV, R', N]
         per_head = jnp.reshape(p.softmax_aux.astype(jnp.float32), (kv_heads, group, -1))
-        sinks = jnp.pad(jnp.tile(per_head, (1, tokens, 1)), ((0, 0), (0, padded_rows - rows), (0, 0)))
-    out = combine_splits(splits, lse, sinks)[:, :, :rows]  # [B, KV, T * G, Dv]
-    out = jnp.moveaxis(jnp.reshape(out, (batch, kv_heads, tokens, group, v_dim)), 2, 1)
-    out = jnp.reshape(out, (batch, tokens, heads, v_dim))
+        sinks = head_rows(per_head, tokens, padded_rows)
+    out = jnp.reshape(from_rows(combine_splits(splits, lse, sinks), tokens, group), (batch, tokens, heads, v_dim))
     return jnp.where(real[:, :, None, None], out, 0).astype(p.q.dtype), k_pool, v_pool
 
 

@@ -24,7 +24,7 @@ from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
 from hybrax.ops.attention.mask import PADDING_SEGMENT
 from hybrax.ops.attention.pallas_flash_bwd import flash_backward_dkdv, flash_backward_dq
 from hybrax.ops.attention.pallas_flash_fwd import flash_forward
-from hybrax.ops.attention.pallas_flash_tiles import Extras, Geometry
+from hybrax.ops.attention.pallas_flash_tiles import Extras, Geometry, from_rows, head_rows, to_rows
 from hybrax.ops.pallas_shared import interpret_here
 
 MAX_HEAD_DIM = 256
@@ -104,19 +104,14 @@ def _launch(geometry: Geometry, head_dim: int, dtype) -> dict:
 
 
 def _to_rows(x: jax.Array, geometry: Geometry, width: int | None = None) -> jax.Array:
-    """[B, Tq, K, G, ...] -> [B, K, R', ...]: row t * G + g is position t of head g; rows padded to whole
-    blocks (and the last axis to `width`)."""
-    batch, q_len, kv_heads, group = x.shape[:4]
-    rows = jnp.reshape(jnp.moveaxis(x, 1, 2), (batch, kv_heads, q_len * group, *x.shape[4:]))
-    rows = scores.pad_axis(rows, 2, geometry.num_q_blocks * geometry.block_q)
+    """`to_rows`, rows padded to whole blocks (and the last axis to `width`)."""
+    rows = to_rows(x, geometry.num_q_blocks * geometry.block_q)
     return rows if width is None else scores.pad_axis(rows, 3, width)
 
 
 def _from_rows(rows: jax.Array, geometry: Geometry, width: int | None = None) -> jax.Array:
     """The inverse of `_to_rows`, keeping the first `width` entries of the last axis."""
-    batch, kv_heads = rows.shape[:2]
-    rows = rows[:, :, :geometry.num_rows] if width is None else rows[:, :, :geometry.num_rows, :width]
-    return jnp.moveaxis(jnp.reshape(rows, (batch, kv_heads, geometry.q_len, geometry.group, *rows.shape[3:])), 2, 1)
+    return from_rows(rows if width is None else rows[..., :width], geometry.q_len, geometry.group)
 
 
 def _pairwise_rows(x: jax.Array | None, geometry: Geometry, dtype) -> jax.Array | None:
@@ -153,18 +148,16 @@ def _padded_inputs(p: AttentionProblem, geometry: Geometry) -> dict:
 
 
 def _sink_start(p: AttentionProblem, geometry: Geometry) -> dict:
-    """Each row's sinks as the online softmax's starting max and denominator, [K, R'] each (padded rows: 0, 1)."""
+    """Each row's sinks as the online softmax's starting max and denominator, [K, R'] each (padded rows: 0, 0;
+    they are invisible, their outputs sliced off)."""
     if p.softmax_aux is None:
         return {"sink_max": None, "sink_sum": None}
     sinks = p.softmax_aux.astype(jnp.float32)  # [K, G, S]
     sink_max = jnp.max(sinks, axis=-1)
     sink_sum = jnp.sum(jnp.exp(sinks - sink_max[..., None]), axis=-1)
-
-    def by_row(per_head: jax.Array, pad_value: float) -> jax.Array:
-        rows = jnp.tile(per_head, (1, geometry.q_len))  # row t * G + g holds head g
-        return scores.pad_axis(rows, 1, geometry.num_q_blocks * geometry.block_q, pad_value)
-
-    return {"sink_max": by_row(sink_max, 0.0), "sink_sum": by_row(sink_sum, 1.0)}
+    padded_rows = geometry.num_q_blocks * geometry.block_q
+    return {"sink_max": head_rows(sink_max, geometry.q_len, padded_rows),
+            "sink_sum": head_rows(sink_sum, geometry.q_len, padded_rows)}
 
 
 def _forward(p: AttentionProblem, cfg: AttentionConfig) -> tuple[jax.Array, jax.Array]:

@@ -240,6 +240,26 @@ def extras_specs(geometry: Geometry, extras: Extras, rows: int, kv_len: int, per
     return arrays, specs
 
 
+def to_rows(x: jax.Array, padded_rows: int) -> jax.Array:
+    """[B, Tq, K, G, ...] -> [B, K, R', ...] by query row: row t * G + g is position t of head g, padded with
+    zeros to `padded_rows`."""
+    batch, q_len, kv_heads, group = x.shape[:4]
+    rows = jnp.reshape(jnp.moveaxis(x, 1, 2), (batch, kv_heads, q_len * group, *x.shape[4:]))
+    return jnp.pad(rows, [(0, 0), (0, 0), (0, padded_rows - q_len * group)] + [(0, 0)] * (x.ndim - 4))
+
+
+def head_rows(per_head: jax.Array, q_len: int, padded_rows: int) -> jax.Array:
+    """A value per query head [K, G, ...] -> per query row [K, R', ...] (row t * G + g holds head g's)."""
+    return to_rows(jnp.broadcast_to(per_head, (1, q_len, *per_head.shape)), padded_rows)[0]
+
+
+def from_rows(rows: jax.Array, q_len: int, group: int) -> jax.Array:
+    """The inverse of `to_rows`: [B, K, R', ...] -> [B, Tq, K, G, ...], the padding rows dropped."""
+    batch, kv_heads = rows.shape[:2]
+    per_head = jnp.reshape(rows[:, :, :q_len * group], (batch, kv_heads, q_len, group, *rows.shape[3:]))
+    return jnp.moveaxis(per_head, 2, 1)
+
+
 def masked_loop(bounds: tuple[jax.Array, jax.Array], whole: tuple[jax.Array, jax.Array], step, carry):
     """carry after step(index, carry, masked) over bounds [first, end), unmasked on `whole` [a, b) within it:
     tiles that every row sees whole skip the visibility mask (most tiles of a long causal or windowed call)."""
