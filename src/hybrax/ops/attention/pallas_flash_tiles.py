@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from hybrax.ops.attention.mask import PADDING_SEGMENT
-from hybrax.ops.attention.scores import coordinate, keep_threshold, mix
+from hybrax.ops.attention.scores import dropout_keep_of, dropout_row_hash
 from hybrax.ops.pallas_shared import mm_t
 
 
@@ -166,17 +166,14 @@ class Geometry(NamedTuple):
             return None
         row = q_block * self.block_q + lax.iota(jnp.int32, self.block_q)
         head = kv_head * self.group + row % self.group
-        x = mix(extras.dropout_seed[0] ^ coordinate(extras.dropout_seed[1]))
-        x = mix(x ^ coordinate(batch_index))
-        x = mix(x ^ coordinate(head))
-        return mix(x ^ coordinate(row // self.group))
+        return dropout_row_hash(extras.dropout_seed, batch_index, head, row // self.group)
 
     def dropout_keep(self, row_hashes: jax.Array | None, k_block: jax.Array) -> jax.Array | None:
         """bool [block_q, block_k]: the tile's kept entries (`scores.dropout_keep`'s); None without dropout."""
         if row_hashes is None:
             return None
         col = k_block * self.block_k + lax.iota(jnp.int32, self.block_k)
-        return mix(row_hashes[:, None] ^ coordinate(col)[None, :]) < jnp.uint32(keep_threshold(self.dropout_prob))
+        return dropout_keep_of(row_hashes[:, None], col[None, :], self.dropout_prob)
 
     def dropout(self, keep: jax.Array | None, x: jax.Array) -> jax.Array:
         """x with the dropped entries 0 and the kept ones scaled by 1 / (1 - dropout_prob)."""

@@ -84,7 +84,7 @@ def visible(
     return seen
 
 
-def mix(x: jax.Array) -> jax.Array:
+def _mix(x: jax.Array) -> jax.Array:
     """A 32-bit integer finalizer (lowbias32): every input bit flips each output bit with p ~ 1/2."""
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x7FEB352D)
@@ -93,8 +93,8 @@ def mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def coordinate(index: jax.Array) -> jax.Array:
-    return mix(index.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
+def _coordinate(index: jax.Array) -> jax.Array:
+    return _mix(index.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
 
 
 def dropout_keep(
@@ -104,17 +104,24 @@ def dropout_keep(
     draws the same mask and the backward pass recomputes it instead of storing it."""
     batch, _, num_kv_heads, group, _ = p.query.shape
     heads = jnp.arange(num_kv_heads * group).reshape(num_kv_heads, group)
-    x = mix(p.dropout_seed[0] ^ coordinate(p.dropout_seed[1]))
-    x = mix(x ^ coordinate(jnp.arange(batch))[:, None, None, None, None])
-    x = mix(x ^ coordinate(heads)[None, :, :, None, None])
-    x = mix(x ^ coordinate(q_pos)[:, None])
-    x = mix(x ^ coordinate(k_pos))
-    return x < jnp.uint32(keep_threshold(p.dropout_prob))
+    rows = dropout_row_hash(p.dropout_seed, jnp.arange(batch)[:, None, None, None], heads[None, :, :, None],
+                            q_pos)
+    return dropout_keep_of(rows[..., None], k_pos, p.dropout_prob)
 
 
-def keep_threshold(dropout_prob: float) -> int:
-    """A hash below this keeps its weight: probability 1 - dropout_prob."""
-    return min(round((1.0 - dropout_prob) * 2**32), 2**32 - 1)
+def dropout_row_hash(seed: jax.Array, batch: jax.Array, head: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """uint32: the hash of (seed, batch, head, query position), broadcast together; the XLA implementations
+    and the Pallas flash kernels draw their masks from it alike."""
+    x = _mix(seed[0] ^ _coordinate(seed[1]))
+    x = _mix(x ^ _coordinate(batch))
+    x = _mix(x ^ _coordinate(head))
+    return _mix(x ^ _coordinate(q_pos))
+
+
+def dropout_keep_of(row_hash: jax.Array, k_pos: jax.Array, dropout_prob: float) -> jax.Array:
+    """bool: which (row, key) weights survive, probability 1 - dropout_prob each."""
+    threshold = min(round((1.0 - dropout_prob) * 2**32), 2**32 - 1)
+    return _mix(row_hash ^ _coordinate(k_pos)) < jnp.uint32(threshold)
 
 
 def apply_dropout(p: AttentionProblem, weights: jax.Array, keep: jax.Array | None) -> jax.Array:
