@@ -7,11 +7,12 @@ from hybrax.core.executor import Executor, create_default_executor, default_exec
 from hybrax.core.kernel import Invocation, Kernel, device_kind, runtime_device
 from hybrax.core.problem import array_fields, cotangent, problem_dataclass, static_field, static_fields
 from hybrax.core.registry import Implementation, implementations, lookup, register
+from hybrax.core.sharding import vary_like, varying_axes
 
 __all__ = [
     "PLATFORMS", "Autotuner", "Executor", "Implementation", "Invocation", "Kernel", "KernelConfig",
     "MemoryCache", "PersistentCache", "Platform", "array_fields", "cotangent", "create_default_executor",
     "default_cache_dir", "default_executor", "device_kind", "implementations", "lookup",
     "problem_dataclass", "register", "relative_error", "runtime_device", "set_default_executor",
-    "static_field", "static_fields", "tolerance",
+    "static_field", "static_fields", "tolerance", "vary_like", "varying_axes",
 ]

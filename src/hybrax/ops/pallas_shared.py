@@ -1,15 +1,34 @@
-"""What every op's Pallas GPU kernels (Triton lowering) share: where they run, and their dots' operand dtypes
-and precisions."""
+"""What every op's Pallas GPU kernels (Triton lowering) share: where they run, how they are called, and their
+dots' operand dtypes and precisions."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+
+from hybrax.core import varying_axes
+
 
 def interpret_here() -> bool:
     """Pallas runs compiled on a GPU and in interpret mode anywhere else (the CPU tests)."""
     return jax.default_backend() != "gpu"
+
+
+def pallas_call(kernel: Callable, *, out_shape: Any, **options: Any) -> Callable:
+    """`pl.pallas_call`, its outputs marked as varying over the manual mesh axes its inputs vary over: inside
+    `jax.shard_map` (check_vma on) Pallas asks every out_shape for that set, and a kernel's outputs vary
+    wherever its inputs do."""
+
+    def call(*args: Any) -> Any:
+        mesh_axes = jax.sharding.ManualAxisType(varying=varying_axes(*args))
+        shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mesh_axes), out_shape)
+        return pl.pallas_call(kernel, out_shape=shapes, **options)(*args)
+
+    return call
 
 
 EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding

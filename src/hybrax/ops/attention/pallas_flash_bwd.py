@@ -21,7 +21,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
 
 from hybrax.ops.attention.pallas_flash_tiles import Extras, Geometry, extras_specs, masked_loop
-from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, mm_tn
+from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, mm_tn, pallas_call
 
 
 def _tile_grads(geometry: Geometry, q_block, k_block, q, k, v, d_out, lse, delta, extras: Extras, rows, keys,
@@ -129,7 +129,7 @@ def _call(kernel, geometry: Geometry, arrays: list, extras: Extras, per_row_bloc
     kv_len = k.shape[1]
     extra_arrays, extra_specs = extras_specs(geometry, extras, rows, kv_len, per_row_block)
     blocks = rows // geometry.block_q if per_row_block else kv_len // geometry.block_k
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(kernel, geometry=geometry, interpret=interpret),
         grid=(blocks, batch, kv_heads),
         in_specs=_specs(geometry, head_dim, v.shape[3], rows, kv_len, per_row_block) + extra_specs,

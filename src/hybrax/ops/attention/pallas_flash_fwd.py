@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
 
 from hybrax.ops.attention.pallas_flash_tiles import Extras, Geometry, extras_specs, masked_loop, online_softmax
-from hybrax.ops.pallas_shared import dot_settings, mm
+from hybrax.ops.pallas_shared import dot_settings, mm, pallas_call
 
 
 def _forward_kernel(*refs, geometry: Geometry, has_sinks: bool, interpret: bool) -> None:
@@ -90,7 +90,7 @@ def flash_forward(
         in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (h, i))] * 2
     kernel = functools.partial(_forward_kernel, geometry=geometry, has_sinks=sink_max is not None,
                                interpret=interpret)
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(rows // block_q, batch, kv_heads),
         in_specs=in_specs,

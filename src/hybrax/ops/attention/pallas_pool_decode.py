@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from hybrax.ops.attention.pallas_flash_tiles import online_softmax
-from hybrax.ops.pallas_shared import dot_settings, mm, mm_t
+from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, pallas_call
 
 
 class PoolGeometry(NamedTuple):
@@ -104,7 +104,7 @@ def pool_decode_splits(
     """Each split's (output, logsumexp) by query row (R padded to whole blocks), fp32; -inf: saw nothing."""
     batch, kv_heads, rows, _ = q.shape
     shape = (batch, kv_heads, geometry.num_splits, rows)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_kernel, geometry=geometry, interpret=interpret),
         grid=(geometry.num_splits * geometry.row_blocks, batch, kv_heads),
         out_shape=(jax.ShapeDtypeStruct((*shape, v_pool.shape[-1]), jnp.float32),

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from hybrax.core import Invocation, cotangent, register
+from hybrax.core import Invocation, cotangent, register, vary_like
 from hybrax.ops.attention import scores
 from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
 
@@ -149,7 +149,8 @@ def _forward(p: AttentionProblem, cfg: AttentionConfig) -> tuple[jax.Array, jax.
             step = lambda s: _online_step(t, qi, kj, s)  # noqa: E731
             return jax.lax.cond(t.may_see(qi, kj), step, lambda s: s, state), None
 
-        (row_max, denominator, acc), _ = jax.lax.scan(key_step, _initial_state(t), jnp.arange(t.num_k_blocks))
+        start = vary_like(_initial_state(t), p)
+        (row_max, denominator, acc), _ = jax.lax.scan(key_step, start, jnp.arange(t.num_k_blocks))
         nonempty = denominator > 0
         out = acc / jnp.where(nonempty, denominator, 1.0)[..., None].astype(acc.dtype)
         lse = jnp.where(nonempty, _finite(row_max) + jnp.log(jnp.where(nonempty, denominator, 1.0)), 0.0)
@@ -216,16 +217,17 @@ def _backward(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> Atten
                 return (dkv[0] + dk, dkv[1] + dv), (dq_tile, dbias_tile)
 
             def skip(dkv: tuple) -> tuple:
-                return dkv, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tile_shapes)
+                return dkv, vary_like(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tile_shapes), p, d_out)
 
             return jax.lax.cond(t.may_see(qi, kj), compute, skip, dkv)
 
-        zeros_kv = (jnp.zeros(t.k_block(kj).shape, acc_dtype), jnp.zeros(t.v_block(kj).shape, acc_dtype))
+        zeros_kv = vary_like((jnp.zeros(t.k_block(kj).shape, acc_dtype), jnp.zeros(t.v_block(kj).shape, acc_dtype)),
+                             p, d_out)
         (dk, dv), (dq_tiles, dbias_tiles) = jax.lax.scan(query_step, zeros_kv, jnp.arange(t.num_q_blocks))
         return dq + _blocks_to_rows(dq_tiles, 1), (dk, dv, dbias_tiles)
 
     dq, (dk, dv, dbias) = jax.lax.scan(
-        key_block, jnp.zeros(t.query.shape, acc_dtype), jnp.arange(t.num_k_blocks)
+        key_block, vary_like(jnp.zeros(t.query.shape, acc_dtype), p, d_out), jnp.arange(t.num_k_blocks)
     )
     kv_len = p.key.shape[1]
     if dbias is not None:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclass, static_field
+from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclass, static_field, vary_like
 from hybrax.core.kernel import Invocation
 from hybrax.core.validate import check_divides, check_floating, check_integer, check_rank, check_shape, describe
 from hybrax.ops.kda.gate import activate_beta, fused_gate
@@ -73,6 +73,12 @@ class KdaProblem:
     @property
     def state_shape(self) -> tuple[int, int, int, int]:
         return (self.num_sequences, self.v.shape[2], self.q.shape[3], self.v.shape[3])
+
+    def initial_states(self) -> Float[Array, "N HV K V"]:
+        """The initial state, or zeros of `state_shape` (inside shard_map, varying as the inputs do)."""
+        if self.initial_state is not None:
+            return self.initial_state
+        return vary_like(jnp.zeros(self.state_shape, jnp.float32), self.q, self.k, self.v, self.beta, self.decay)
 
 
 def _is_concrete(x: Any) -> bool:

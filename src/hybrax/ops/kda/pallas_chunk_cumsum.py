@@ -12,13 +12,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float
 
 from hybrax.ops.kda.pallas_tiles import (
     PackedChunks, chunk_rows_spec, chunk_window, packed_chunk_specs, split_packed, token_rows_spec,
 )
-from jaxtyping import Array, Float
+from hybrax.ops.pallas_shared import pallas_call
 
 
 def _cumsum_kernel(g_ref, *refs, reverse: bool, chunk: int):
@@ -48,7 +48,7 @@ def chunk_local_cumsum(
     n_chunks = length // chunk if packed is None else packed.start.shape[0]
     in_specs = [token_rows_spec(chunk, dk, packed_length=None if packed is None else length),
                 *packed_chunk_specs(packed, n_chunks)]
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_cumsum_kernel, reverse=reverse, chunk=chunk),
         grid=(heads, n_chunks, batch),
         in_specs=in_specs,

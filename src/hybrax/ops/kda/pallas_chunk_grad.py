@@ -31,7 +31,7 @@ from hybrax.ops.kda.pallas_tiles import (
     PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_state_spec, chunk_windows, index_grid, packed_chunk_specs,
     pipeline_stages, split_packed, token_column_spec, token_rows_spec,
 )
-from hybrax.ops.pallas_shared import dot_settings, mm_t, mm_tn, solve_precision
+from hybrax.ops.pallas_shared import dot_settings, mm_t, mm_tn, pallas_call, solve_precision
 
 
 def _grad_kernel(
@@ -148,7 +148,7 @@ def chunk_grad(
         _grad_kernel, packed=packed is not None, block_k=min(block_k, dk), block_v=min(block_v, dv),
         compute_dtype=compute_dtype, precision=precision, fp32_precision=solve_precision(interpret, q.dtype),
     )
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(value_heads, length // chunk, batch),
         in_specs=[

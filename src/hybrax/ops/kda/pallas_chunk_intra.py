@@ -42,7 +42,7 @@ from hybrax.ops.kda.pallas_tiles import (
     SUB, PackedChunks, chunk_rows_spec, chunk_windows, index_grid, packed_chunk_specs, pipeline_stages, split_packed,
     token_column_spec, token_rows_spec,
 )
-from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, solve_precision
+from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, pallas_call, solve_precision
 from hybrax.ops.kda.xla_scan import inverse_l2_norm
 
 # The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
@@ -257,7 +257,7 @@ def chunk_intra(
     wy_out_specs, wy_out_shape = wy_specs(chunk, length, q, v)
     square = jax.ShapeDtypeStruct((batch, length, value_heads, chunk), q.dtype)
     squares = 2 if with_inverse else 1
-    outputs = pl.pallas_call(
+    outputs = pallas_call(
         kernel,
         grid=(value_heads, length // chunk, batch),
         in_specs=in_specs,

@@ -31,7 +31,7 @@ from hybrax.ops.kda.pallas_tiles import (
     SUB, PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_windows, index_grid, packed_chunk_specs,
     pipeline_stages, split_packed, token_column_spec, token_rows_spec,
 )
-from hybrax.ops.pallas_shared import mm, mm_tn, solve_precision
+from hybrax.ops.pallas_shared import mm, mm_tn, pallas_call, solve_precision
 
 
 def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, jax.Array]:
@@ -135,7 +135,7 @@ def chunk_intra_bwd(
     kernel = functools.partial(
         _intra_bwd_kernel, packed=packed is not None, block_k=block_k, precision=solve_precision(interpret, q.dtype)
     )
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(value_heads, length // chunk, batch),
         in_specs=[

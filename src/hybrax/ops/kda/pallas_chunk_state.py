@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hybrax.ops.kda.pallas_tiles import pipeline_stages
-from hybrax.ops.pallas_shared import dot_settings, mm_tn
+from hybrax.ops.pallas_shared import dot_settings, mm_tn, pallas_call
 
 
 class Segments(NamedTuple):
@@ -162,7 +162,7 @@ def state_pass_call(
     row_specs = [pl.BlockSpec((None, length, None, x.shape[3]), lambda j, h, b: (b, 0, h, 0)) for x in rows]
     values_spec = pl.BlockSpec((None, length, None, block_v), lambda j, h, b: (b, 0, h, j))
     dtype = rows[0].dtype
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(dv // block_v, heads, batch),
         in_specs=[

@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as pltriton
 from hybrax.ops.kda.pallas_tiles import (
     PackedChunks, chunk_rows_spec, chunk_windows, packed_chunk_specs, split_packed, token_column_spec, token_rows_spec,
 )
-from hybrax.ops.pallas_shared import dot_settings, mm
+from hybrax.ops.pallas_shared import dot_settings, mm, pallas_call
 
 
 def write_wy(
@@ -111,7 +111,7 @@ def chunk_wy(
     packed_length = None if packed is None else q.shape[1]
     tokens = functools.partial(token_rows_spec, chunk, packed_length=packed_length)
     out_specs, out_shape = wy_specs(chunk, length, q, v)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_wy_kernel, packed=packed is not None, compute_dtype=compute_dtype, precision=precision),
         grid=(v.shape[2], length // chunk, q.shape[0]),
         in_specs=[

@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hybrax.core import Invocation, register
+from hybrax.core import Invocation, register, vary_like
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
 from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, Packing, kda_chunk_fwd, kda_chunk_fwd_solved
@@ -113,7 +113,7 @@ def run_chunked(
         segments = Segments(*(x.astype(jnp.int32) for x in layout.segments))
         packed = packing(layout, q.shape[1], chunk)
         if initial_state is None:
-            initial_state = jnp.zeros(state_shape, jnp.float32)
+            initial_state = vary_like(jnp.zeros(state_shape, jnp.float32), q, k, v, decay, beta)
     o, final = kda_chunk(q, k, v, decay, beta, initial_state, segments, packed, scale, l2_normalize, chunk,
                          interpret_here(), delta_rule)
     if layout is not None:  # tokens of no sequence read zeros

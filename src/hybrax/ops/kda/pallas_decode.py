@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import Invocation, register
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.xla_scan import inverse_l2_norm, kda_single_step
-from hybrax.ops.pallas_shared import interpret_here
+from hybrax.ops.pallas_shared import interpret_here, pallas_call
 
 GATES = ("activated", "softplus", "bounded")
 MAX_UNROLLED_TOKENS = 8
@@ -238,7 +238,7 @@ def fused_recurrent_decode(
     )
     arrays = (scalars, slots, token_slots, q, k, v, g, beta, a_log, dt_bias, state)
     state_index = len(jax.tree.leaves(arrays)) - 1  # aliases count array leaves; the None slots hold none
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(dv // block_v, value_heads, batch),
         out_shape=(jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
@@ -292,11 +292,8 @@ def _supports_single_token(inv: Invocation) -> str | None:
 
 def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     batch, _, value_heads, dv = problem.v.shape
-    state = problem.initial_state
-    if state is None:
-        state = jnp.zeros(problem.state_shape, jnp.float32)
     return fused_recurrent_decode(
-        problem.q, problem.k, problem.v, problem.decay, problem.beta, state, scale=problem.scale,
+        problem.q, problem.k, problem.v, problem.decay, problem.beta, problem.initial_states(), scale=problem.scale,
         use_qk_l2norm=problem.use_qk_l2norm, interpret=interpret_here(), **launch_params(batch * value_heads, dv),
     )
 

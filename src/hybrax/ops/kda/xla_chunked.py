@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from hybrax.core import Invocation, register
+from hybrax.core import Invocation, register, vary_like
 from hybrax.ops.kda.api import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.xla_scan import EXACT, value_head_qk
 
@@ -331,10 +331,7 @@ def _from_chunks(o: jax.Array, layout: Layout, length: int) -> jax.Array:
 def _chunked_inputs(problem: KdaProblem, layout: Layout, chunk: int) -> Chunked:
     q, k = value_head_qk(problem)
     shape = problem.state_shape
-    if problem.initial_state is None:
-        initial = jnp.zeros(shape, jnp.float32)
-    else:
-        initial = problem.initial_state
+    initial = problem.initial_states()
     rows = problem.q.shape[0] if problem.cu_seqlens is None else 1
     initial = initial.reshape(rows, shape[0] // rows, *shape[1:])
     to_chunks = lambda x: _to_chunks(x, layout, chunk)  # noqa: E731
@@ -380,9 +377,9 @@ def chunked_backward(
         lambda q, k, v, beta, g: chunk_terms(q, k, v, beta, g, problem.scale), x.q, x.k, x.v, x.beta, x.g
     )
     o_shape = (*entering.shape[:-2], chunk, problem.v.shape[3])
-    _, outputs_vjp = jax.vjp(
+    _, outputs_vjp = jax.vjp(  # linear: any primal point will do; zeros varying as the cotangent does
         lambda o, finals: _outputs(problem, layout, o, finals),
-        jnp.zeros(o_shape, jnp.float32), jnp.zeros(x.initial.shape, jnp.float32),
+        *vary_like((jnp.zeros(o_shape, jnp.float32), jnp.zeros(x.initial.shape, jnp.float32)), ct),
     )
     d_o, d_finals = outputs_vjp(ct)
     d_m, d_n, d_initial = state_pass_transpose(

@@ -47,12 +47,6 @@ def delta_step(
     return jnp.einsum("...kv,...k->...v", state, scale * q, precision=EXACT), state
 
 
-def _initial_states(problem: KdaProblem) -> jax.Array:
-    if problem.initial_state is None:
-        return jnp.zeros(problem.state_shape, jnp.float32)
-    return problem.initial_state
-
-
 def _time_major(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(jnp.moveaxis(x, 1, 0) for x in arrays)
 
@@ -66,7 +60,7 @@ def _dense_scan(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
         o, state = delta_step(state, *token, problem.scale)
         return state, o
 
-    final, o = lax.scan(body, _initial_states(problem), xs)
+    final, o = lax.scan(body, problem.initial_states(), xs)
     return jnp.moveaxis(o, 0, 1), final
 
 
@@ -83,7 +77,7 @@ def _packed_scan(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
     last = inside & (positions == cu[sequence + 1] - 1)
     q, k = value_head_qk(problem)
     tokens = tuple(x[0] for x in (q, k, problem.v.astype(jnp.float32), problem.beta, problem.decay))
-    initial = _initial_states(problem)
+    initial = problem.initial_states()
 
     def body(carry, token):
         state, finals = carry
@@ -117,7 +111,7 @@ def kda_single_step(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tup
     """T == 1: one delta step on the state, no scan and no chunk padding."""
     q, k = value_head_qk(problem)
     o, final = delta_step(
-        _initial_states(problem), q[:, 0], k[:, 0], problem.v[:, 0].astype(jnp.float32),
+        problem.initial_states(), q[:, 0], k[:, 0], problem.v[:, 0].astype(jnp.float32),
         problem.beta[:, 0], problem.decay[:, 0], problem.scale,
     )
     return o[:, None].astype(problem.q.dtype), final

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from hybrax.core import Invocation, register
+from hybrax.core import Invocation, register, vary_like
 from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM
 from hybrax.ops.kda.pallas_chunked import run_chunked
 from hybrax.ops.recurrent.api import OP_ID, RecurrentAttentionConfig, RecurrentProblem
@@ -47,12 +47,13 @@ def _run(p: RecurrentProblem, cfg: RecurrentAttentionConfig) -> tuple[jax.Array,
     their custom VJP (the heads' and gates' sums by autodiff)."""
     batch, length, heads, dk = p.query.shape
     log_decay = key_log_decay(p, jnp.float32)
-    log_decay = jnp.zeros((batch, length, heads, dk), jnp.float32) if log_decay is None else jnp.broadcast_to(
-        log_decay, (batch, length, heads, dk))
+    # Constants (no gate, beta) vary over the mesh as the inputs do (inside shard_map), as their gradients will.
+    log_decay = vary_like(jnp.zeros((batch, length, heads, dk), jnp.float32), p) if log_decay is None else (
+        jnp.broadcast_to(log_decay, (batch, length, heads, dk)))
     num_states = batch if p.cu_seqlens is None else p.cu_seqlens.shape[0] - 1
     return run_chunked(
         p.query, expand_heads(p.key, heads), expand_heads(p.value, heads), log_decay,
-        jnp.zeros((batch, length, heads), jnp.float32),
+        vary_like(jnp.zeros((batch, length, heads), jnp.float32), p),
         None if p.initial_state is None else p.initial_state.astype(jnp.float32), p.cu_seqlens,
         (num_states, heads, dk, p.value.shape[3]), scale=p.scale, l2_normalize=False, chunk=cfg.chunk_size,
         delta_rule=False,

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hybrax.core import register
+from hybrax.core import register, vary_like
 from hybrax.ops.recurrent import varlen
 from hybrax.ops.recurrent.api import OP_ID, RecurrentAttentionConfig
 from hybrax.ops.recurrent.engine import decay_state, forward, vjp_rules
@@ -176,11 +176,11 @@ def _pass_states(local, decay_k, decay_v, h0, packed: _Packed | None):
     chunk_axis_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)  # noqa: E731
     xs = tuple(map(chunk_axis_first, (local, decay_k, decay_v)))
     if packed is None:
-        start = jnp.zeros((batch, heads, key_dim, value_dim), local.dtype) if h0 is None else h0
+        start = vary_like(jnp.zeros((batch, heads, key_dim, value_dim), local.dtype), local) if h0 is None else h0
         resets = None
     else:
         h0 = jnp.zeros((packed.nonempty.shape[0], heads, key_dim, value_dim), local.dtype) if h0 is None else h0
-        start = jnp.zeros((1, heads, key_dim, value_dim), local.dtype)
+        start = vary_like(jnp.zeros((1, heads, key_dim, value_dim), local.dtype), local, h0)
         resets = (packed.reset, h0[packed.chunk_seq][:, None])
 
     def step(state, x):

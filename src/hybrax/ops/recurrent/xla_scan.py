@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybrax.core import register
+from hybrax.core import register, vary_like
 from hybrax.ops.recurrent import varlen
 from hybrax.ops.recurrent.api import OP_ID, RecurrentAttentionConfig
 from hybrax.ops.recurrent.engine import decay_state, forward, vjp_rules
@@ -29,7 +29,7 @@ def scan_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAttenti
     time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)  # noqa: E731
     xs = tuple(map(time_major, (q, k, v, exp(log_k), exp(log_v))))
     if cu_seqlens is None:
-        state = jnp.zeros((batch, num_heads, key_dim, value_dim), q.dtype) if h0 is None else h0
+        state = vary_like(jnp.zeros((batch, num_heads, key_dim, value_dim), q.dtype), xs) if h0 is None else h0
 
         def step(state, x):
             return _step(state, *x)
@@ -38,7 +38,7 @@ def scan_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAttenti
         return jnp.moveaxis(o, 0, 1), final
 
     num_seqs = cu_seqlens.shape[0] - 1
-    initial = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), q.dtype) if h0 is None else h0
+    initial = vary_like(jnp.zeros((num_seqs, num_heads, key_dim, value_dim), q.dtype), xs) if h0 is None else h0
     segment, starts = varlen.token_segments(cu_seqlens, seq_len)
 
     def varlen_step(carry, x):
