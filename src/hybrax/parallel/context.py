@@ -1,0 +1,165 @@
+"""Context parallelism: one long sequence split along time over the devices of a mesh axis, each device holding
+consecutive tokens (shard i holds tokens i * T_local ... (i + 1) * T_local - 1). Call these inside
+`jax.shard_map` with the time axis (axis 1) of the token inputs split over `axis_name`.
+
+Both recurrences are affine in the state entering a shard, and so is every output. Each device runs one pass
+over its own tokens from a zero state that also yields the shard's map S_out = map(S_in) + L; the maps are
+gathered (B·H·K·(K + V) fp32 numbers per device for KDA, B·H·(K + V) for gated linear attention), every device
+runs the short chain S_in(0) = initial state, S_in(i + 1) = map_i(S_in(i)) + L_i, and adds its outputs' terms in
+S_in. Gradients flow through the same ops (the passes' custom VJPs, the gather, the chain).
+
+KDA: map(S) = P S with P [K, K] the product of the shard's decay-then-delta steps (I - beta k k^T) Diag(exp g),
+and o_t = S_in^T (P_t^T q_t) + o_local_t. One chunked pass gives all of it: values widened by K zero columns and
+an initial state widened by the identity (zeros under the values' columns) carry P_t in the extra columns, so the
+final state's extra columns are P and the extra outputs P_t^T q_t: a pass of width V + K.
+Gated linear attention: map(S) = Diag(a) S Diag(b) with a, b the shard's products of key- and value-axis
+decays, from cumulative sums of the log gates; the pass is the ordinary one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from hybrax.core import vary_like
+from hybrax.core.validate import check_rank, check_shape
+from hybrax.ops.kda.api import kernel_delta_attention
+from hybrax.ops.recurrent.api import RecurrentAttention, recurrent_attention
+from hybrax.ops.recurrent.engine import key_log_decay
+
+
+def _check_shard(query: Any, value: Any, initial_state: Any) -> None:
+    """What the widened call cannot name well: value's own shape, and the whole sequence's initial state."""
+    check_rank("query", query, 4, "[batch, seq_shard, num_heads, head_dim]")
+    check_rank("value", value, 4, "[batch, seq_shard, num_value_heads, v_head_dim]")
+    batch, length = query.shape[:2]
+    check_shape("value", value, (batch, length, None, None), "[batch, seq_shard, num_value_heads, v_head_dim]")
+    if initial_state is not None:
+        check_shape("initial_state", initial_state, (batch, value.shape[2], query.shape[3], value.shape[3]),
+                    "[batch, num_value_heads, head_dim, v_head_dim]")
+
+
+def _widened(value: jax.Array, initial_width: int) -> tuple[jax.Array, jax.Array]:
+    """value with `initial_width` zero columns, and the widened zero state whose extra columns are the identity."""
+    batch, length, value_heads, dv = value.shape
+    dk = initial_width
+    wide_value = jnp.concatenate([value, jnp.zeros((batch, length, value_heads, dk), value.dtype)], axis=-1)
+    identity = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (batch, value_heads, dk, dk))
+    wide_initial = jnp.concatenate([jnp.zeros((batch, value_heads, dk, dv), jnp.float32), identity], axis=-1)
+    return wide_value, wide_initial
+
+
+def _entering_states(transition: Any, local_state: jax.Array, initial_state: jax.Array | None, axis_name: str,
+                     apply: Callable[[Any, jax.Array], jax.Array], reverse: bool = False
+                     ) -> tuple[jax.Array, jax.Array]:
+    """(the state entering this shard, the state after the last shard), from every shard's affine map
+    S_out = apply(transition, S_in) + local_state; with `reverse` the sequence runs from the last shard down."""
+    # Gathered as invarying: every device then holds, and runs, the same chain.
+    transitions, local_states = jax.lax.all_gather((transition, local_state), axis_name, to="invarying")
+    start = jnp.zeros_like(local_states[0]) if initial_state is None else initial_state.astype(jnp.float32)
+    start = vary_like(start, local_states)  # the chain's carry varies wherever the gathered states do
+
+    def shard_step(state: jax.Array, shard: tuple[Any, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        shard_transition, shard_local = shard
+        return apply(shard_transition, state) + shard_local, state
+
+    final, entering = jax.lax.scan(shard_step, start, (transitions, local_states), reverse=reverse)
+    return entering[jax.lax.axis_index(axis_name)], final
+
+
+def _matmul(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
+    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def kda_context_parallel(
+    query: Float[Array, "batch seq_shard num_heads qk_head_dim"],
+    key: Float[Array, "batch seq_shard num_heads qk_head_dim"],
+    value: Float[Array, "batch seq_shard num_value_heads v_head_dim"],
+    beta: Float[Array, "batch seq_shard num_value_heads"],
+    decay: Float[Array, "batch seq_shard num_value_heads *qk_head_dim"] | None = None,
+    initial_state: Float[Array, "batch num_value_heads qk_head_dim v_head_dim"] | None = None,
+    /,
+    *,
+    axis_name: str,
+    return_state: bool = False,
+    **options: Any,
+) -> Any:
+    """`kernel_delta_attention` over a sequence split along time over mesh axis `axis_name` (inside shard_map).
+
+    Token inputs are this device's shard [batch, seq_len / shards, ...]; `initial_state` (the whole sequence's,
+    the same on every device) and the final state returned with `return_state` (the same on every device) are
+    [batch, num_value_heads, qk_head_dim, v_head_dim] fp32. `options` are `kernel_delta_attention`'s keywords
+    (softmax_scale, use_qk_l2norm, the fused gate's a_log / dt_bias / lower_bound, beta_is_logits, platform,
+    cfg, ...) except cu_seqlens: packed sequences are not split over devices yet.
+    """
+    if options.get("cu_seqlens") is not None:
+        raise ValueError("kda_context_parallel takes no cu_seqlens: packed sequences are not split over devices yet")
+    _check_shard(query, value, initial_state)
+    dk, dv = query.shape[-1], value.shape[-1]
+    wide_value, wide_initial = _widened(value, dk)
+    wide_initial = vary_like(wide_initial, query, key, value, beta, decay)  # its cotangent will vary so
+    wide_out, wide_state = kernel_delta_attention(
+        query, key, wide_value, beta, decay, wide_initial, return_state=True, **options
+    )
+    entering, final = _entering_states(wide_state[..., dv:], wide_state[..., :dv], initial_state, axis_name,
+                                       functools.partial(_matmul, spec="bhkj,bhjv->bhkv"))
+    carried = _matmul(wide_out[..., dv:].astype(jnp.float32), entering, "bthk,bhkv->bthv")
+    out = (wide_out[..., :dv].astype(jnp.float32) + carried).astype(wide_out.dtype)
+    return (out, final) if return_state else out
+
+
+def _scale_state(factors: tuple[jax.Array, jax.Array | None], state: jax.Array) -> jax.Array:
+    """Diag(key factors) S Diag(value factors): gated linear attention's map of the state through a shard."""
+    key_factor, value_factor = factors
+    state = key_factor[..., :, None] * state
+    return state if value_factor is None else state * value_factor[..., None, :]
+
+
+def recurrent_context_parallel(
+    query: Float[Array, "batch seq_shard num_heads head_dim"],
+    key: Float[Array, "batch seq_shard num_kv_heads head_dim"],
+    value: Float[Array, "batch seq_shard num_kv_heads v_head_dim"],
+    g: Float[Array, "batch seq_shard num_heads *head_dim"] | None = None,
+    g_gamma: Float[Array, "*batch num_heads"] | None = None,
+    gk: Float[Array, "batch seq_shard num_heads head_dim"] | None = None,
+    gv: Float[Array, "batch seq_shard num_heads v_head_dim"] | None = None,
+    initial_state: Float[Array, "batch num_heads head_dim v_head_dim"] | None = None,
+    /,
+    *,
+    axis_name: str,
+    softmax_scale: float | None = None,
+    reverse: bool = False,
+    return_state: bool = False,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> Any:
+    """`recurrent_attention` over a sequence split along time over mesh axis `axis_name` (inside shard_map),
+    shapes as in `kda_context_parallel`; `reverse` runs the whole sequence from its last token (the last shard)
+    down. The state's map through a shard is diagonal on both sides: S_out = Diag(a) S_in Diag(b) + L with a, b
+    the shard's products of key- and value-axis decays, and an output's dependence on S_in is
+    o_t += b_t * (S_in^T (scale q_t * a_t)) with the products up to t. So each device runs one ordinary pass from
+    a zero state and adds that term, the decays' products from cumulative sums of the log gates."""
+    problem = RecurrentAttention().prepare(  # checks the call; gates folded, time flipped when reverse
+        query, key, value, g, g_gamma, gk, gv, initial_state, softmax_scale=softmax_scale, reverse=reverse
+    )
+    local_out, local_state = recurrent_attention(
+        query, key, value, g, g_gamma, gk, gv, softmax_scale=softmax_scale, reverse=reverse, return_state=True,
+        platform=platform, cfg=cfg,
+    )
+    batch, length, heads, dk = problem.query.shape
+    log_key = key_log_decay(problem, jnp.float32)
+    log_key = jnp.zeros((batch, length, heads, 1), jnp.float32) if log_key is None else log_key
+    key_products = jnp.exp(jnp.cumsum(log_key, axis=1))  # [B, T, H, K | 1], in the problem's (flipped) time
+    value_products = None if problem.g_value is None else jnp.exp(jnp.cumsum(problem.g_value.astype(jnp.float32), 1))
+    shard_factors = (jnp.broadcast_to(key_products[:, -1], (batch, heads, dk)),
+                     None if value_products is None else value_products[:, -1])
+    entering, final = _entering_states(shard_factors, local_state, initial_state, axis_name, _scale_state, reverse)
+    carried = _matmul(problem.query.astype(jnp.float32) * problem.scale * key_products, entering, "bthk,bhkv->bthv")
+    carried = carried if value_products is None else carried * value_products
+    out = local_out.astype(jnp.float32) + (jnp.flip(carried, 1) if reverse else carried)
+    out = out.astype(local_out.dtype)
+    return (out, final) if return_state else out
