@@ -121,3 +121,26 @@ def make_call(
         call.mask[:, :, 0, :] = False  # a fully hidden row
         call.options["mask_info"] = MaskInfo.from_attention_mask(jnp.asarray(call.mask))
     return call
+
+
+DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")
+
+
+def differentiable_arrays(call: Call) -> dict:
+    """The call's differentiable arrays that are present, by name."""
+    return {name: getattr(call, name) for name in DIFFERENTIABLE if getattr(call, name) is not None}
+
+
+def reference_grads(call: Call, cotangent: jax.Array) -> dict:
+    """jax.grad (jitted) of sum(reference output * cotangent) in float64, by array name."""
+    with jax.enable_x64(True):
+        seen, kwargs = call.seen(), call.reference_kwargs()
+
+        def loss(arrays):
+            out = reference.attention_math(
+                jnp, arrays["query"], arrays["key"], arrays["value"], arrays.get("bias"), arrays.get("sinks"),
+                seen=seen, **kwargs)
+            return jnp.sum(out * jnp.asarray(cotangent, jnp.float64))
+
+        arrays = {name: jnp.asarray(to64(a)) for name, a in differentiable_arrays(call).items()}
+        return {name: np.asarray(g) for name, g in jax.jit(jax.grad(loss))(arrays).items()}

@@ -3,6 +3,8 @@ XLA implementation against the float64 reference), and its lowering for CUDA, fo
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -13,7 +15,7 @@ from hybrax.core import Invocation, kernel
 from hybrax.ops.attention import cudnn
 from hybrax.ops.attention.api import OP_ID, Attention
 from tests.helpers import TOLERANCE, assert_close
-from tests.ops.attention.inputs import make_call
+from tests.ops.attention.inputs import differentiable_arrays, make_call, normal, reference_grads
 
 # Calls cuDNN takes: heads, windows and scale; q_len == kv_len where a window or causality applies.
 SUPPORTED = {
@@ -28,11 +30,15 @@ SUPPORTED = {
 }
 
 
+def _prepare(call):
+    keywords = {name: value for name, value in call.options.items() if name != "dropout_rng"}
+    return Attention().prepare(call.query, call.key, call.value, call.bias, call.options.get("dropout_rng"),
+                               call.sinks, **keywords)
+
+
 def _problem(dtype=jnp.bfloat16, **options):
     call = make_call(**{"v_dim": 16, **options}, dtype=dtype)
-    keywords = {name: value for name, value in call.options.items() if name != "dropout_rng"}
-    return call, Attention().prepare(call.query, call.key, call.value, call.bias, call.options.get("dropout_rng"),
-                                     call.sinks, **keywords)
+    return call, _prepare(call)
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +61,25 @@ def test_translation_matches_reference(case):
     out = Attention().finalize(problem, jax.jit(cudnn.jax_nn_attention, static_argnums=1)(problem, "xla"))
     assert out.dtype == dtype
     assert_close(out, call.reference(), TOLERANCE[dtype], case)
+
+
+@pytest.mark.parametrize("case", ["causal_gqa", "causal_window", "mla_head_dims", "head_dims_padded_to_8"])
+def test_translation_gradients_match_reference(case):
+    """The gradients through the translation (the head-dim padding, the heads' reshape) against float64 autodiff
+    of the reference; jax.nn's XLA path stands in for cuDNN's fused backward."""
+    call = make_call(**{"v_dim": 16, **SUPPORTED[case]}, dtype=jnp.bfloat16)
+    cotangent = normal(99, (*call.query.shape[:3], call.value.shape[-1]))
+
+    def loss(arrays):
+        problem = _prepare(dataclasses.replace(call, **arrays))
+        out = Attention().finalize(problem, cudnn.jax_nn_attention(problem, "xla"))
+        return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+    got = jax.jit(jax.grad(loss))(differentiable_arrays(call))
+    want = reference_grads(call, cotangent)
+    for name in want:
+        # bf16 rounding of the probabilities and of dS before the matmuls, as the XLA implementations' bf16 tests.
+        assert_close(got[name], want[name], 2 * TOLERANCE[jnp.bfloat16], f"d{name} {case}")
 
 
 DECLINED = {

@@ -8,12 +8,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from hybrax.ops.attention import reference
-from tests.helpers import TOLERANCE, assert_close, to64
-from tests.ops.attention.inputs import IMPLS, impl_cases, make_call, normal
+from tests.helpers import TOLERANCE, assert_close
+from tests.ops.attention.inputs import IMPLS, differentiable_arrays, impl_cases, make_call, normal, reference_grads
 
 CASES = {
     "bf16": dict(causal=True, bias_heads=4, sinks=(4, 2)),
@@ -31,35 +29,12 @@ CASES = {
 }
 
 
-DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")
-
-
-def _arrays(call) -> dict:
-    """The call's differentiable arrays that are present, by name."""
-    return {name: getattr(call, name) for name in DIFFERENTIABLE if getattr(call, name) is not None}
-
-
 @functools.cache
 def _case(case: str, dtype=jnp.float32):
     """The call, its output cotangent and the reference gradients, shared by both implementations."""
     call = make_call(**CASES[case], dtype=dtype)
     cotangent = normal(99, (*call.query.shape[:3], call.value.shape[-1]))
-    return call, cotangent, _reference_grads(call, cotangent)
-
-
-def _reference_grads(call, cotangent) -> dict:
-    """jax.grad (jitted) of the reference math in float64, by array name."""
-    with jax.enable_x64(True):
-        seen, kwargs = call.seen(), call.reference_kwargs()
-
-        def loss(arrays):
-            out = reference.attention_math(
-                jnp, arrays["query"], arrays["key"], arrays["value"], arrays.get("bias"), arrays.get("sinks"),
-                seen=seen, **kwargs)
-            return jnp.sum(out * jnp.asarray(cotangent, jnp.float64))
-
-        arrays = {name: jnp.asarray(to64(a)) for name, a in _arrays(call).items()}
-        return {name: np.asarray(g) for name, g in jax.jit(jax.grad(loss))(arrays).items()}
+    return call, cotangent, reference_grads(call, cotangent)
 
 
 def _grads(call, cfg, cotangent) -> dict:
@@ -67,7 +42,7 @@ def _grads(call, cfg, cotangent) -> dict:
         out = jax.checkpoint(lambda arrays: dataclasses.replace(call, **arrays).run(cfg))(arrays)
         return jnp.sum(out.astype(jnp.float32) * cotangent)
 
-    return jax.jit(jax.grad(loss))(_arrays(call))
+    return jax.jit(jax.grad(loss))(differentiable_arrays(call))
 
 
 @pytest.mark.parametrize(("case", "impl"), impl_cases({c: o for c, o in CASES.items() if not c.startswith("bf16")}))
