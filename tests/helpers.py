@@ -37,3 +37,18 @@ def lower_for_h200(fn, *args) -> str:
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def pretend_h200_with_cudnn(monkeypatch) -> None:
+    """What an H200 would answer, wherever the tests run: the runtime device (read when the executor resolves a
+    traced call), cuDNN's version and compute capability (jax.nn asks the CUDA plugin before lowering; the CPU
+    has none) and the head dims cuDNN takes there."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    from hybrax.core import kernel
+    from hybrax.ops.attention import cudnn
+
+    monkeypatch.setattr(kernel, "runtime_device", lambda: "gpu")
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)

@@ -11,10 +11,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hybrax import kernel_delta_attention, recurrent_attention
+from hybrax import MaskInfo, attention, kernel_delta_attention, recurrent_attention
 from hybrax.ops.kda import reference
-from hybrax.parallel import kda_context_parallel, recurrent_context_parallel
-from tests.helpers import TOLERANCE, assert_close, normal, to64
+from hybrax.parallel import attention_context_parallel, kda_context_parallel, recurrent_context_parallel
+from tests.helpers import TOLERANCE, assert_close, normal, pretend_h200_with_cudnn, to64
 
 SHARDS = 4
 TIME = P(None, "cp")  # token inputs: the time axis split over the devices
@@ -138,3 +138,63 @@ def test_recurrent_matches_the_whole_sequence(reverse, gates):
     want = jax.grad(functools.partial(loss, whole), argnums=argnums)(*args)
     got = jax.jit(jax.grad(functools.partial(loss, mapped), argnums=argnums))(*placed)
     assert_close(got, want, 1e-5, "gradient")
+
+
+ATTENTION_CASES = {
+    "causal_gqa": dict(causal=True),
+    "causal_left_window_across_shards": dict(causal=True, sliding_window=(17, 0)),
+    "full": dict(),
+    "causal_packed_sinks_soft_cap": dict(causal=True, segments=True, softmax_aux=jnp.full((4, 2), 0.5),
+                                         logits_soft_cap=2.0),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_matches_the_whole_sequence(case):
+    """Shards of 12 tokens; packed sequences of 7 / 20 / 21 tokens cross the shards' boundaries."""
+    options = dict(ATTENTION_CASES[case])
+    packed = options.pop("segments", False)
+    q, k, v = normal(20, (B, 48, 4, 16)), normal(21, (B, 48, 2, 16)), normal(22, (B, 48, 2, 16))
+    ids = jnp.broadcast_to(jnp.repeat(jnp.arange(3), jnp.array([7, 20, 21]), total_repeat_length=48), (B, 48))
+
+    def shard(q, k, v, ids):
+        mask_info = MaskInfo.from_segments(ids) if packed else None
+        return attention_context_parallel(q, k, v, axis_name="cp", mask_info=mask_info, **options)
+
+    mapped = jax.shard_map(shard, mesh=mesh(), in_specs=(TIME,) * 4, out_specs=TIME)
+    placed = [jax.device_put(a, NamedSharding(mesh(), TIME)) for a in (q, k, v, ids)]
+
+    def whole(q, k, v, ids):
+        sinks = options.get("softmax_aux")
+        rest = {name: value for name, value in options.items() if name != "softmax_aux"}
+        return attention(q, k, v, None, None, sinks, mask_info=MaskInfo.from_segments(ids) if packed else None, **rest)
+
+    assert_close(jax.jit(mapped)(*placed), jax.tree.map(to64, whole(q, k, v, ids)), 1e-5)
+    loss = lambda call: lambda *a: jnp.sum(jnp.sin(call(*a)))  # noqa: E731
+    want = jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v, ids)
+    got = jax.jit(jax.grad(loss(mapped), argnums=(0, 1, 2)))(*placed)
+    assert_close(got, want, 1e-5, "gradient")
+
+
+def test_attention_refuses_what_does_not_split():
+    q = normal(0, (1, 8, 2, 16))
+    with pytest.raises(ValueError, match="bias"):
+        attention_context_parallel(q, q, q, axis_name="cp", causal=True, bias=jnp.zeros((1, 2, 8, 8)))
+    with pytest.raises(ValueError, match="sliding_window only with causal"):
+        attention_context_parallel(q, q, q, axis_name="cp", sliding_window=(4, 4))
+
+
+def test_attention_lowers_for_h200(monkeypatch):
+    """Causal bf16 for a mesh of 4 H200s: each shard's branch is an ordinary causal call over its keys' prefix.
+    Shard 0's (as many keys as queries) takes cuDNN's fused kernels, forward and backward; the others have more
+    keys than queries, which cuDNN's causal mask (top-left) cannot express, and take `auto`'s next choice."""
+    pretend_h200_with_cudnn(monkeypatch)  # cuDNN's primitives lower only on a mesh of devices: the CPU's 4 stand in
+    mapped = jax.shard_map(lambda *a: attention_context_parallel(*a, axis_name="cp", causal=True),
+                           mesh=mesh(), in_specs=(TIME,) * 3, out_specs=TIME)
+    args = [jax.ShapeDtypeStruct((1, 4 * 256, heads, 128), jnp.bfloat16, sharding=NamedSharding(mesh(), TIME))
+            for heads in (8, 2, 2)]
+    loss = lambda *a: jnp.sum(mapped(*a).astype(jnp.float32))  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__cudnn$fmhaSoftmax(") == 1 and text.count("__cudnn$fmhaSoftmaxBackward(") == 1
+    for shard in range(SHARDS):  # shard i attends to the keys of shards 0..i
+        assert f"tensor<1x{(shard + 1) * 256}x2x128xbf16>" in text

@@ -14,6 +14,9 @@ an initial state widened by the identity (zeros under the values' columns) carry
 final state's extra columns are P and the extra outputs P_t^T q_t: a pass of width V + K.
 Gated linear attention: map(S) = Diag(a) S Diag(b) with a, b the shard's products of key- and value-axis
 decays, from cumulative sums of the log gates; the pass is the ordinary one.
+
+Softmax attention has no state to pass: each device gathers the whole sequence's keys and values
+(`attention_context_parallel`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.core import vary_like
-from hybrax.core.validate import check_rank, check_shape
+from hybrax.core.validate import check_rank, check_shape, describe
+from hybrax.ops.attention.api import attention
+from hybrax.ops.attention.mask import MaskInfo
 from hybrax.ops.kda.api import kernel_delta_attention
 from hybrax.ops.recurrent.api import RecurrentAttention, recurrent_attention
 from hybrax.ops.recurrent.engine import key_log_decay
@@ -163,3 +168,63 @@ def recurrent_context_parallel(
     out = local_out.astype(jnp.float32) + (jnp.flip(carried, 1) if reverse else carried)
     out = out.astype(local_out.dtype)
     return (out, final) if return_state else out
+
+
+def attention_context_parallel(
+    query: Float[Array, "batch q_shard num_heads head_dim"],
+    key: Float[Array, "batch kv_shard num_kv_heads head_dim"],
+    value: Float[Array, "batch kv_shard num_kv_heads v_head_dim"],
+    /,
+    *,
+    axis_name: str,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    mask_info: MaskInfo | None = None,
+    softmax_aux: Float[Array, "num_heads num_sinks"] | Float[Array, " num_sinks"] | None = None,
+    **options: Any,
+) -> Float[Array, "batch q_shard num_heads v_head_dim"]:
+    """`attention` (self-attention) over a sequence split along time over mesh axis `axis_name` (inside
+    shard_map): every device gathers the keys and values (and kv segment ids) of the whole sequence and attends
+    its own queries to them. Causal calls (with a left window or none) on shard i read only the keys of shards
+    0..i, a prefix whose length is static per shard: one branch per shard (`lax.switch`), each an ordinary
+    bottom-right-aligned causal call. On a GPU shard 0's call takes cuDNN; the others (more keys than queries,
+    which cuDNN's top-left causal mask cannot express) take `auto`'s next choice, XLA's blockwise kernel, or the
+    flash kernels with platform="pallas". The last shard works the longest (zigzag shards would balance it).
+    `mask_info` may hold segment ids (packed sequences, shards of [batch, q_shard]); softmax_aux (sinks) as
+    `attention`'s; `options` are its other keywords (softmax_scale, logits_soft_cap, dtype, softmax_dtype,
+    platform, cfg): no bias, dense mask or dropout.
+    """
+    _check_attention_shard(query, key, sliding_window, causal, mask_info, options)
+    keys, values = jax.lax.all_gather((key, value), axis_name, axis=1, tiled=True)
+    q_ids = kv_ids = None
+    if mask_info is not None:
+        q_ids = mask_info.q_segment_ids
+        kv_ids = jax.lax.all_gather(mask_info.kv_segment_ids, axis_name, axis=1, tiled=True)
+
+    def attend(kv_len: int) -> jax.Array:
+        ids = None if q_ids is None else MaskInfo.from_segments(q_ids, kv_ids[:, :kv_len])
+        return attention(query, keys[:, :kv_len], values[:, :kv_len], None, None, softmax_aux, causal=causal,
+                         sliding_window=sliding_window, mask_info=ids, **options)
+
+    if not causal:
+        return attend(keys.shape[1])
+    shard_len, shards = key.shape[1], jax.lax.axis_size(axis_name)
+    branches = [functools.partial(attend, (shard + 1) * shard_len) for shard in range(shards)]
+    return jax.lax.switch(jax.lax.axis_index(axis_name), branches)
+
+
+def _check_attention_shard(query: Any, key: Any, sliding_window: Any, causal: bool, mask_info: MaskInfo | None,
+                           options: dict) -> None:
+    unsupported = [name for name in ("bias", "dropout_rng", "init_bias") if options.get(name) is not None]
+    unsupported += ["dropout_prob"] if options.get("dropout_prob", 0.0) else []
+    if mask_info is not None and mask_info.attention_mask is not None:
+        unsupported.append("mask_info.attention_mask")
+    if unsupported:
+        raise ValueError(f"attention_context_parallel takes no {', '.join(unsupported)}: only segment ids split "
+                         "over devices (a dense mask or bias would be [q_shard, whole kv_len] per device)")
+    if sliding_window is not None and not causal:
+        raise ValueError(f"attention_context_parallel takes a sliding_window only with causal=True (a right window "
+                         f"would reach keys past the shard's prefix), got sliding_window={sliding_window!r}")
+    if jnp.shape(query)[1] != jnp.shape(key)[1]:
+        raise ValueError(f"attention_context_parallel is self-attention: query shard {describe(jnp.shape(query))} "
+                         f"and key shard {describe(jnp.shape(key))} must have the same length (dim 1)")

@@ -11,10 +11,10 @@ import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
 from hybrax import AttentionConfig, MaskInfo, attention
-from hybrax.core import Invocation, kernel
+from hybrax.core import Invocation
 from hybrax.ops.attention import cudnn
 from hybrax.ops.attention.api import OP_ID, Attention
-from tests.helpers import TOLERANCE, assert_close
+from tests.helpers import TOLERANCE, assert_close, pretend_h200_with_cudnn
 from tests.ops.attention.inputs import differentiable_arrays, make_call, normal, reference_grads
 
 # Calls cuDNN takes: heads, windows and scale; q_len == kv_len where a window or causality applies.
@@ -135,10 +135,7 @@ def test_explicit_cuda_platform_on_cpu_names_the_reason():
 
 @pytest.fixture
 def cuda_without_gpu(monkeypatch):
-    """What a GPU would answer: the runtime device (read when the executor resolves a traced call) and cuDNN's
-    version (jax.nn asks the CUDA plugin for it before lowering; the CPU has none)."""
-    monkeypatch.setattr(kernel, "runtime_device", lambda: "gpu")
-    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+    pretend_h200_with_cudnn(monkeypatch)
 
 
 @pytest.mark.parametrize("head_dim, v_dim", [(64, 64), (192, 128)])
