@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -91,11 +92,35 @@ def test_fused_gate_bf16_and_no_initial_state():
     assert_close(got, jax.tree.map(to64, want), TOLERANCE[jnp.bfloat16])
 
 
-def test_packed_sequences_are_refused():
-    q, k, v, beta, g, _ = inputs(8)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        kda_context_parallel(q[:1], k[:1], v[:1], beta[:1], g[:1], axis_name="cp",
-                             cu_seqlens=jnp.array([0, 8], jnp.int32))
+@pytest.mark.parametrize("platform", ["xla", "pallas"])
+def test_packed_sequences_across_shards(platform):
+    """Shards of 12 tokens; sequence 2 spans shards 0-2, sequence 3 shards 2-3, sequence 1 is empty and the last
+    token belongs to none: outputs, final states (N of them) and gradients as the whole packed sequence."""
+    q, k, v, beta, g, _ = (x[:1] for x in inputs(48))
+    cu_seqlens = jnp.array([0, 5, 5, 30, 47], jnp.int32)
+    initial = normal(9, (4, HV, K, V), scale=0.5)
+    args = (q, k, v, beta, g, initial)
+
+    def shard(q, k, v, beta, g, initial):
+        return kda_context_parallel(q, k, v, beta, g, initial, axis_name="cp", return_state=True,
+                                    cu_seqlens=cu_seqlens, platform=platform, chunk_size=16)
+
+    mapped = jax.shard_map(shard, mesh=mesh(), in_specs=(TIME,) * 5 + (P(),), out_specs=(TIME, P()),
+                           check_vma=platform != "pallas")
+    placed = [jax.device_put(a, NamedSharding(mesh(), s)) for a, s in zip(args, (TIME,) * 5 + (P(),))]
+    want = reference.kda_reference(*(to64(x) for x in args), cu_seqlens=np.asarray(cu_seqlens))
+    assert_close(jax.jit(mapped)(*placed), want, 1e-5)
+    if platform == "pallas":
+        return  # gradients need check_vma on: XLA only here (the pass's backward is tested on its own)
+
+    def loss(call, *args):
+        out, final = call(*args)
+        return jnp.sum(out * jnp.cos(out)) + jnp.sum(final ** 2)
+
+    whole = functools.partial(kernel_delta_attention, return_state=True, cu_seqlens=cu_seqlens, chunk_size=16)
+    grads = jax.grad(functools.partial(loss, whole), argnums=range(6))(*args)
+    assert_close(jax.jit(jax.grad(functools.partial(loss, mapped), argnums=range(6)))(*placed), grads, 1e-5,
+                 "gradient")
 
 
 def recurrent_inputs(length):

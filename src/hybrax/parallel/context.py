@@ -11,7 +11,10 @@ S_in. Gradients flow through the same ops (the passes' custom VJPs, the gather, 
 KDA: map(S) = P S with P [K, K] the product of the shard's decay-then-delta steps (I - beta k k^T) Diag(exp g),
 and o_t = S_in^T (P_t^T q_t) + o_local_t. One chunked pass gives all of it: values widened by K zero columns and
 an initial state widened by the identity (zeros under the values' columns) carry P_t in the extra columns, so the
-final state's extra columns are P and the extra outputs P_t^T q_t: a pass of width V + K.
+final state's extra columns are P and the extra outputs P_t^T q_t: a pass of width V + K. Packed sequences
+(cu_seqlens) may cross shards: only the sequence holding a shard's first token receives the carried state
+(the identity goes into its columns alone), the state leaving a shard is its last sequence's, and each
+sequence's final state comes from the shard holding its last token.
 Gated linear attention: map(S) = Diag(a) S Diag(b) with a, b the shard's products of key- and value-axis
 decays, from cumulative sums of the log gates; the pass is the ordinary one.
 
@@ -22,14 +25,14 @@ Softmax attention has no state to pass: each device gathers the whole sequence's
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from hybrax.core import vary_like
-from hybrax.core.validate import check_rank, check_shape, describe
+from hybrax.core.validate import check_integer, check_rank, check_shape, describe
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
 from hybrax.ops.kda.api import kernel_delta_attention
@@ -37,24 +40,32 @@ from hybrax.ops.recurrent.api import RecurrentAttention, recurrent_attention
 from hybrax.ops.recurrent.engine import key_log_decay
 
 
-def _check_shard(query: Any, value: Any, initial_state: Any) -> None:
+def _check_shard(query: Any, value: Any, initial_state: Any, cu_seqlens: Any) -> None:
     """What the widened call cannot name well: value's own shape, and the whole sequence's initial state."""
     check_rank("query", query, 4, "[batch, seq_shard, num_heads, head_dim]")
     check_rank("value", value, 4, "[batch, seq_shard, num_value_heads, v_head_dim]")
     batch, length = query.shape[:2]
     check_shape("value", value, (batch, length, None, None), "[batch, seq_shard, num_value_heads, v_head_dim]")
+    states = batch
+    if cu_seqlens is not None:
+        check_integer("cu_seqlens", cu_seqlens)
+        check_rank("cu_seqlens", cu_seqlens, 1, "[num_sequences + 1] (the whole sequence's)")
+        states = jnp.shape(cu_seqlens)[0] - 1
     if initial_state is not None:
-        check_shape("initial_state", initial_state, (batch, value.shape[2], query.shape[3], value.shape[3]),
-                    "[batch, num_value_heads, head_dim, v_head_dim]")
+        what = "[batch" if cu_seqlens is None else "[num_sequences"
+        check_shape("initial_state", initial_state, (states, value.shape[2], query.shape[3], value.shape[3]),
+                    f"{what}, num_value_heads, head_dim, v_head_dim]")
 
 
-def _widened(value: jax.Array, initial_width: int) -> tuple[jax.Array, jax.Array]:
-    """value with `initial_width` zero columns, and the widened zero state whose extra columns are the identity."""
-    batch, length, value_heads, dv = value.shape
-    dk = initial_width
+def _widened(value: jax.Array, initial: jax.Array, carried_in: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """value with K zero columns, and the initial states [N, HV, K, V + K] widened by K columns: where
+    `carried_in`, zeros then the identity (the state arrives from the shards before, unknown yet), elsewhere the
+    known initial state then zeros."""
+    batch, length, value_heads, _ = value.shape
+    dk = initial.shape[2]
     wide_value = jnp.concatenate([value, jnp.zeros((batch, length, value_heads, dk), value.dtype)], axis=-1)
-    identity = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (batch, value_heads, dk, dk))
-    wide_initial = jnp.concatenate([jnp.zeros((batch, value_heads, dk, dv), jnp.float32), identity], axis=-1)
+    identity = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), initial.shape[:2] + (dk, dk))
+    wide_initial = jnp.concatenate([jnp.where(carried_in, 0.0, initial), jnp.where(carried_in, identity, 0.0)], -1)
     return wide_value, wide_initial
 
 
@@ -80,6 +91,36 @@ def _matmul(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
 
 
+class _PackedShard(NamedTuple):
+    """This shard's view of packed sequences (the whole sequence's cu_seqlens)."""
+
+    cu_seqlens: jax.Array  # [N + 1] the sequences' boundaries within the shard (empty where a sequence is not)
+    first: jax.Array  # the sequence holding the shard's first token
+    continues: jax.Array  # whether it began on an earlier shard: its state arrives from there
+    last: jax.Array  # the sequence holding the shard's last token
+    ends_here: jax.Array  # [N] whether a sequence's last token is on this shard
+
+
+def _packed_shard(cu_seqlens: jax.Array, shard_len: int, axis_name: str) -> _PackedShard:
+    start = jax.lax.axis_index(axis_name) * shard_len
+    end = start + shard_len  # past the shard's last token
+    count = cu_seqlens.shape[0] - 1
+
+    def holding(token: jax.Array) -> jax.Array:
+        # The last sequence starting at or before the token (empty ones before it start no later, so lose).
+        return jnp.clip(jnp.searchsorted(cu_seqlens, token, side="right") - 1, 0, count - 1)
+
+    first = holding(start)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return _PackedShard(
+        cu_seqlens=jnp.clip(cu_seqlens - start, 0, shard_len).astype(jnp.int32),
+        first=first,
+        continues=(cu_seqlens[first] < start) & (start < cu_seqlens[first + 1]),
+        last=holding(end - 1),
+        ends_here=(lengths > 0) & (start < cu_seqlens[1:]) & (cu_seqlens[1:] <= end),
+    )
+
+
 def kda_context_parallel(
     query: Float[Array, "batch seq_shard num_heads qk_head_dim"],
     key: Float[Array, "batch seq_shard num_heads qk_head_dim"],
@@ -91,30 +132,48 @@ def kda_context_parallel(
     *,
     axis_name: str,
     return_state: bool = False,
+    cu_seqlens: Int[Array, " num_sequences_plus_1"] | None = None,
     **options: Any,
 ) -> Any:
     """`kernel_delta_attention` over a sequence split along time over mesh axis `axis_name` (inside shard_map).
 
     Token inputs are this device's shard [batch, seq_len / shards, ...]; `initial_state` (the whole sequence's,
     the same on every device) and the final state returned with `return_state` (the same on every device) are
-    [batch, num_value_heads, qk_head_dim, v_head_dim] fp32. `options` are `kernel_delta_attention`'s keywords
-    (softmax_scale, use_qk_l2norm, the fused gate's a_log / dt_bias / lower_bound, beta_is_logits, platform,
-    cfg, ...) except cu_seqlens: packed sequences are not split over devices yet.
+    [batch, num_value_heads, qk_head_dim, v_head_dim] fp32. With `cu_seqlens` (the whole sequence's boundaries
+    [N + 1], the same on every device; batch of one) the sequence packs N sequences, which may cross shards, and
+    the states are [N, ...]. `options` are `kernel_delta_attention`'s other keywords (softmax_scale,
+    use_qk_l2norm, the fused gate's a_log / dt_bias / lower_bound, beta_is_logits, platform, cfg, ...).
     """
-    if options.get("cu_seqlens") is not None:
-        raise ValueError("kda_context_parallel takes no cu_seqlens: packed sequences are not split over devices yet")
-    _check_shard(query, value, initial_state)
+    _check_shard(query, value, initial_state, cu_seqlens)
     dk, dv = query.shape[-1], value.shape[-1]
-    wide_value, wide_initial = _widened(value, dk)
-    wide_initial = vary_like(wide_initial, query, key, value, beta, decay)  # its cotangent will vary so
-    wide_out, wide_state = kernel_delta_attention(
-        query, key, wide_value, beta, decay, wide_initial, return_state=True, **options
-    )
-    entering, final = _entering_states(wide_state[..., dv:], wide_state[..., :dv], initial_state, axis_name,
-                                       functools.partial(_matmul, spec="bhkj,bhjv->bhkv"))
+    matmul = functools.partial(_matmul, spec="bhkj,bhjv->bhkv")
+    if cu_seqlens is None:
+        wide_value, wide_initial = _widened(value, jnp.zeros(query.shape[:1] + (value.shape[2], dk, dv)), True)
+        wide_out, wide_state = _wide_pass(query, key, wide_value, beta, decay, wide_initial, options)
+        entering, final = _entering_states(wide_state[..., dv:], wide_state[..., :dv], initial_state, axis_name,
+                                           matmul)
+    else:
+        shard = _packed_shard(jnp.asarray(cu_seqlens, jnp.int32), query.shape[1], axis_name)
+        sequences = cu_seqlens.shape[0] - 1
+        initial = jnp.zeros((sequences, value.shape[2], dk, dv)) if initial_state is None else initial_state
+        carried_in = (jnp.arange(sequences) == shard.first) & shard.continues  # the one sequence S_in reaches
+        wide_value, wide_initial = _widened(value, initial.astype(jnp.float32), carried_in[:, None, None, None])
+        wide_out, wide_state = _wide_pass(query, key, wide_value, beta, decay, wide_initial,
+                                          dict(options, cu_seqlens=shard.cu_seqlens))
+        last = wide_state[shard.last][None]  # the state leaving the shard is its last sequence's
+        entering, _ = _entering_states(last[..., dv:], last[..., :dv], None, axis_name, matmul)
+        ends = wide_state[..., :dv] + _matmul(wide_state[..., dv:], entering[0], "nhkj,hjv->nhkv")
+        empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
+        final = jax.lax.psum(jnp.where(shard.ends_here[:, None, None, None], ends, 0.0), axis_name)
+        final = final + jnp.where(empty, initial, 0.0)  # a sequence without tokens ends where it began
     carried = _matmul(wide_out[..., dv:].astype(jnp.float32), entering, "bthk,bhkv->bthv")
     out = (wide_out[..., :dv].astype(jnp.float32) + carried).astype(wide_out.dtype)
     return (out, final) if return_state else out
+
+
+def _wide_pass(query, key, wide_value, beta, decay, wide_initial, options) -> tuple[jax.Array, jax.Array]:
+    wide_initial = vary_like(wide_initial, query, key, wide_value, beta, decay)  # its cotangent will vary so
+    return kernel_delta_attention(query, key, wide_value, beta, decay, wide_initial, return_state=True, **options)
 
 
 def _scale_state(factors: tuple[jax.Array, jax.Array | None], state: jax.Array) -> jax.Array:
