@@ -26,9 +26,9 @@ XLA_IMPLS = {
 IMPLS = {**XLA_IMPLS, "flash": AttentionConfig("pallas", "flash", block_q=16, block_k=16)}
 
 
-def impl_cases(cases: dict[str, dict]) -> list[tuple[str, str]]:
-    """(case, impl) pairs: every case for every implementation."""
-    return [(case, impl) for case in cases for impl in IMPLS]
+def impl_cases(cases: dict[str, dict], impls: dict[str, AttentionConfig] = IMPLS) -> list[tuple[str, str]]:
+    """(case, impl) pairs: every case for every implementation (of `impls`)."""
+    return [(case, impl) for case in cases for impl in impls]
 
 
 @dataclasses.dataclass

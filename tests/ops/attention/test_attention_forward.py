@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests.helpers import TOLERANCE, assert_close
-from tests.ops.attention.inputs import IMPLS, impl_cases, make_call
+from tests.ops.attention.inputs import IMPLS, XLA_IMPLS, impl_cases, make_call
 
 # name -> make_call arguments. Lengths 19 x 27 give ragged tiles; Tq != Tk checks the alignment.
 CASES = {
@@ -51,6 +51,25 @@ def test_forward_bf16(case, impl):
     out = call.run_jit(IMPLS[impl])
     assert out.dtype == jnp.bfloat16
     assert_close(out, call.reference(), TOLERANCE[jnp.bfloat16], f"{case}/{impl}")
+
+
+@pytest.mark.parametrize(("case", "impl"), impl_cases(
+    {case: CASES[case] for case in ("causal", "everything", "segments_causal_gqa")}, XLA_IMPLS))
+def test_forward_fp16(case, impl):
+    call = make_call(**CASES[case], dtype=jnp.float16)
+    out = call.run_jit(IMPLS[impl])
+    assert out.dtype == jnp.float16
+    assert_close(out, call.reference(), TOLERANCE[jnp.float16], f"{case}/{impl}")
+
+
+@pytest.mark.parametrize("impl", XLA_IMPLS)
+def test_bf16_softmax_dtype_rounds_the_scores_only(impl):
+    """fp32 inputs with the softmax in bf16: the output stays fp32, within bf16's tolerance and off fp32's."""
+    call = make_call(**CASES["everything"])
+    out = call.run_jit(IMPLS[impl], softmax_dtype=jnp.bfloat16)
+    assert out.dtype == jnp.float32
+    error = assert_close(out, call.reference(), TOLERANCE[jnp.bfloat16])
+    assert error > TOLERANCE[jnp.float32], "softmax_dtype=bfloat16 was ignored"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
