@@ -223,3 +223,32 @@ def test_attention_lowers_for_h200(monkeypatch):
     assert text.count("__cudnn$fmhaSoftmax(") == 1 and text.count("__cudnn$fmhaSoftmaxBackward(") == 1
     for shard in range(SHARDS):  # shard i attends to the keys of shards 0..i
         assert f"tensor<1x{(shard + 1) * 256}x2x128xbf16>" in text
+
+
+def test_recurrent_packed_sequences_across_shards():
+    """GLA with every gate, packed as the KDA test (but to the end: recurrent_attention's sequences cover it)."""
+    q, k, v, g, g_gamma, gk, gv, _ = (x[:1] if x.ndim > 1 else x for x in recurrent_inputs(48))
+    cu_seqlens = jnp.array([0, 5, 5, 30, 48], jnp.int32)
+    initial = normal(17, (4, 2, K, V), scale=0.5)
+    args = (q, k, v, g, gk, gv, initial)
+
+    def shard(q, k, v, g, gk, gv, initial):
+        return recurrent_context_parallel(q, k, v, g, g_gamma, gk, gv, initial, axis_name="cp", return_state=True,
+                                          cu_seqlens=cu_seqlens)
+
+    specs = (TIME,) * 6 + (P(),)
+    mapped = jax.shard_map(shard, mesh=mesh(), in_specs=specs, out_specs=(TIME, P()))
+    placed = [jax.device_put(a, NamedSharding(mesh(), s)) for a, s in zip(args, specs)]
+
+    def whole(q, k, v, g, gk, gv, initial):
+        return recurrent_attention(q, k, v, g, g_gamma, gk, gv, initial, cu_seqlens, return_state=True)
+
+    assert_close(jax.jit(mapped)(*placed), jax.tree.map(to64, whole(*args)), 1e-5)
+
+    def loss(call, *args):
+        out, final = call(*args)
+        return jnp.sum(out * jnp.cos(out)) + jnp.sum(final ** 2)
+
+    want = jax.grad(functools.partial(loss, whole), argnums=range(7))(*args)
+    got = jax.jit(jax.grad(functools.partial(loss, mapped), argnums=range(7)))(*placed)
+    assert_close(got, want, 1e-5, "gradient")

@@ -163,9 +163,7 @@ def kda_context_parallel(
         last = wide_state[shard.last][None]  # the state leaving the shard is its last sequence's
         entering, _ = _entering_states(last[..., dv:], last[..., :dv], None, axis_name, matmul)
         ends = wide_state[..., :dv] + _matmul(wide_state[..., dv:], entering[0], "nhkj,hjv->nhkv")
-        empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
-        final = jax.lax.psum(jnp.where(shard.ends_here[:, None, None, None], ends, 0.0), axis_name)
-        final = final + jnp.where(empty, initial, 0.0)  # a sequence without tokens ends where it began
+        final = _gather_final_states(ends, initial, shard, cu_seqlens, axis_name)
     carried = _matmul(wide_out[..., dv:].astype(jnp.float32), entering, "bthk,bhkv->bthv")
     out = (wide_out[..., :dv].astype(jnp.float32) + carried).astype(wide_out.dtype)
     return (out, final) if return_state else out
@@ -198,6 +196,7 @@ def recurrent_context_parallel(
     softmax_scale: float | None = None,
     reverse: bool = False,
     return_state: bool = False,
+    cu_seqlens: Int[Array, " num_sequences_plus_1"] | None = None,
     platform: str | None = None,
     cfg: Any = None,
 ) -> Any:
@@ -206,27 +205,61 @@ def recurrent_context_parallel(
     down. The state's map through a shard is diagonal on both sides: S_out = Diag(a) S_in Diag(b) + L with a, b
     the shard's products of key- and value-axis decays, and an output's dependence on S_in is
     o_t += b_t * (S_in^T (scale q_t * a_t)) with the products up to t. So each device runs one ordinary pass from
-    a zero state and adds that term, the decays' products from cumulative sums of the log gates."""
+    a zero state and adds that term, the decays' products from cumulative sums of the log gates. `cu_seqlens`
+    (the whole sequence's, reverse=False) packs sequences that may cross shards, as in `kda_context_parallel`."""
+    packed = None if cu_seqlens is None else _packed_shard(jnp.asarray(cu_seqlens), jnp.shape(query)[1], axis_name)
+    if packed is not None and reverse:
+        raise ValueError("recurrent_context_parallel takes cu_seqlens only with reverse=False")
+    local_cu = None if packed is None else packed.cu_seqlens
     problem = RecurrentAttention().prepare(  # checks the call; gates folded, time flipped when reverse
-        query, key, value, g, g_gamma, gk, gv, initial_state, softmax_scale=softmax_scale, reverse=reverse
-    )
-    local_out, local_state = recurrent_attention(
-        query, key, value, g, g_gamma, gk, gv, softmax_scale=softmax_scale, reverse=reverse, return_state=True,
-        platform=platform, cfg=cfg,
+        query, key, value, g, g_gamma, gk, gv, initial_state, local_cu, softmax_scale=softmax_scale, reverse=reverse
     )
     batch, length, heads, dk = problem.query.shape
+    if packed is not None:  # the one sequence the carried state reaches starts from zeros here
+        initial = jnp.zeros((local_cu.shape[0] - 1, heads, dk, value.shape[3])) if initial_state is None else (
+            initial_state.astype(jnp.float32))
+        carried_in = ((jnp.arange(initial.shape[0]) == packed.first) & packed.continues)[:, None, None, None]
+        initial_state = vary_like(jnp.where(carried_in, 0.0, initial), query, key, value)  # as its cotangent will
+    local_out, local_state = recurrent_attention(
+        query, key, value, g, g_gamma, gk, gv, None if packed is None else initial_state, local_cu,
+        softmax_scale=softmax_scale, reverse=reverse, return_state=True, platform=platform, cfg=cfg,
+    )
     log_key = key_log_decay(problem, jnp.float32)
     log_key = jnp.zeros((batch, length, heads, 1), jnp.float32) if log_key is None else log_key
     key_products = jnp.exp(jnp.cumsum(log_key, axis=1))  # [B, T, H, K | 1], in the problem's (flipped) time
     value_products = None if problem.g_value is None else jnp.exp(jnp.cumsum(problem.g_value.astype(jnp.float32), 1))
-    shard_factors = (jnp.broadcast_to(key_products[:, -1], (batch, heads, dk)),
-                     None if value_products is None else value_products[:, -1])
-    entering, final = _entering_states(shard_factors, local_state, initial_state, axis_name, _scale_state, reverse)
+
+    def products_at(token: Any) -> tuple[jax.Array, jax.Array | None]:  # the map from the shard's start to a token
+        return (jnp.broadcast_to(key_products[:, token], (batch, heads, dk)),
+                None if value_products is None else value_products[:, token])
+
+    if packed is None:
+        entering, final = _entering_states(products_at(-1), local_state, initial_state, axis_name, _scale_state,
+                                           reverse)
+        reached = jnp.ones((length,), bool)
+    else:
+        first_end = packed.cu_seqlens[packed.first + 1]  # past the carried sequence's last token on this shard
+        through = packed.continues & (packed.last == packed.first)  # the carried state leaves the shard too
+        transition = jax.tree.map(lambda x: jnp.where(through, x, 0.0), products_at(first_end - 1))
+        entering, _ = _entering_states(transition, local_state[packed.last][None], None, axis_name, _scale_state)
+        ends = local_state + jnp.where(carried_in, _scale_state(products_at(first_end - 1), entering), 0.0)
+        final = _gather_final_states(ends, initial, packed, cu_seqlens, axis_name)
+        reached = (jnp.arange(length) < first_end) & packed.continues
     carried = _matmul(problem.query.astype(jnp.float32) * problem.scale * key_products, entering, "bthk,bhkv->bthv")
     carried = carried if value_products is None else carried * value_products
+    carried = jnp.where(reached[None, :, None, None], carried, 0.0)
     out = local_out.astype(jnp.float32) + (jnp.flip(carried, 1) if reverse else carried)
     out = out.astype(local_out.dtype)
     return (out, final) if return_state else out
+
+
+def _gather_final_states(ends: jax.Array, initial: jax.Array, packed: _PackedShard, cu_seqlens: Any,
+                         axis_name: str) -> jax.Array:
+    """Each sequence's final state from the shard holding its last token (`ends`: this shard's candidates), the
+    same on every device; a sequence without tokens ends where it began."""
+    final = jax.lax.psum(jnp.where(packed.ends_here[:, None, None, None], ends, 0.0), axis_name)
+    empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
+    return final + jnp.where(empty, initial, 0.0)
 
 
 def attention_context_parallel(
