@@ -94,7 +94,7 @@ def test_bf16_cache_through_the_in_place_kernel():
 def test_in_place_kernel_names_what_it_declines():
     k_pool, v_pool = _pools(0)
     q, k, v = _tokens(1, 2, 1)
-    args = (q, k, v, k_pool[:, :30], v_pool[:, :30], jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32))
+    args = (q, k, v, k_pool[:, :30], v_pool[:, :30], jnp.array([0, 1], jnp.int32), jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="pallas:in_place: the in-place kernel needs a max_len that is a multiple "
                                          "of 16, got 30"):
         attention_decode_pool(*args, platform="pallas")
@@ -106,19 +106,44 @@ BAD = {
     "pool dim": (dict(k_pool=jnp.zeros((SLOTS, MAX_LEN, KV_HEADS, D + 1))), r"k_pool must have shape"),
     "v_pool length": (dict(v_pool=jnp.zeros((SLOTS, MAX_LEN + 1, KV_HEADS, DV))), r"v_pool must have shape"),
     "slots": (dict(slots=jnp.zeros((3,), jnp.int32)), r"slots must have shape \[batch\] = \[2\], got \[3\]"),
+    "slot past the pool": (dict(slots=jnp.array([1, SLOTS], jnp.int32)),
+                           r"slots must be -1 \(none\) or a row in \[0, num_slots = 5\), got \[5\]"),
+    "repeated slot": (dict(slots=jnp.array([2, 2], jnp.int32)), r"slots must name each row at most once .* got \[2\]"),
     "float lengths": (dict(cached_lengths=jnp.zeros((2,))), r"cached_lengths must be an integer array"),
+    "no cached_lengths": (dict(cached_lengths=None), r"cached_lengths must be an integer array \[batch\] .* got None"),
+    "new past tokens": (dict(new_lengths=jnp.array([1, 2], jnp.int32)),
+                        r"new_lengths must be in \[0, tokens = 1\] .* got \[1, 2\]"),
+    "negative new": (dict(new_lengths=jnp.array([-1, 1], jnp.int32)), r"new_lengths must be in \[0, tokens = 1\]"),
+    "past max_len": (dict(cached_lengths=jnp.array([0, MAX_LEN], jnp.int32)),
+                     r"cached_lengths \+ new_lengths must be in \[0, max_len = 32\] .* got cached_lengths \[0, 32\]"),
     "window": (dict(sliding_window=(2, 0)), r"sliding_window must be an int >= 0"),
+    "zero soft cap": (dict(logits_soft_cap=0.0), r"logits_soft_cap must be a number > 0 .* got 0.0"),
+    "zero scale": (dict(softmax_scale=0.0), r"softmax_scale must be a number > 0 .* got 0.0"),
+    "array scale": (dict(softmax_scale=jnp.ones((2,))), r"softmax_scale must be a number > 0"),
 }
+KEYWORDS = ("new_lengths", "sliding_window", "softmax_scale", "logits_soft_cap")
 
 
+@pytest.mark.parametrize("platform", ["xla", "pallas"])
 @pytest.mark.parametrize("case", BAD)
-def test_bad_input_names_the_argument(case):
+def test_bad_input_names_the_argument(case, platform):
+    """Both implementations refuse the same input, before either runs."""
     k_pool, v_pool = _pools(0)
     q, k, v = _tokens(1, 2, 1)
-    arguments = dict(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, slots=jnp.zeros((2,), jnp.int32),
+    arguments = dict(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, slots=jnp.array([0, 1], jnp.int32),
                      cached_lengths=jnp.zeros((2,), jnp.int32))
     overrides, message = BAD[case]
-    window = overrides.pop("sliding_window", None) if "sliding_window" in overrides else None
     arguments.update(overrides)
+    keywords = {name: arguments.pop(name) for name in KEYWORDS if name in arguments}
     with pytest.raises(ValueError, match=message):
-        attention_decode_pool(*arguments.values(), sliding_window=window)
+        attention_decode_pool(*arguments.values(), platform=platform, **keywords)
+
+
+def test_padded_requests_lengths_are_not_checked():
+    """A padded request (slot -1) reads and writes nothing, whatever its lengths say."""
+    k_pool, v_pool = _pools(0)
+    q, k, v = _tokens(1, 2, 1)
+    out, new_k, _ = attention_decode_pool(q, k, v, k_pool, v_pool, jnp.array([-1, 1], jnp.int32),
+                                          jnp.array([MAX_LEN + 9, 0], jnp.int32), softmax_scale=np.float32(0.5))
+    assert np.all(np.asarray(out[0]) == 0)
+    np.testing.assert_array_equal(np.asarray(new_k)[[0, 2, 3, 4]], np.asarray(k_pool)[[0, 2, 3, 4]])

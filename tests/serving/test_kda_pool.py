@@ -22,13 +22,13 @@ GATES = {  # gate -> keyword arguments of both the op and the reference, besides
 PLATFORMS = ["xla", "pallas"]
 
 
-def step_inputs(seed, batch, tokens, gate="bounded"):
+def step_inputs(seed, batch, tokens, gate="bounded", dtype=jnp.float32):
     q, k = normal(seed, (batch, tokens, H, K)), normal(seed + 1, (batch, tokens, H, K))
     v = normal(seed + 2, (batch, tokens, HV, V))
     g = normal(seed + 3, (batch, tokens, HV, K))
     g = jax.nn.log_sigmoid(g) if gate == "activated" else g
     beta = normal(seed + 4, (batch, tokens, HV))
-    return q, k, v, g, beta
+    return tuple(x.astype(dtype) for x in (q, k, v, g, beta))
 
 
 def gate_kwargs(seed, gate):
@@ -65,19 +65,22 @@ def decode(inputs, pool, slots, gate, kwargs, platform, **options):
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("gate", list(GATES))
 @pytest.mark.parametrize("v_first", [False, True])
-def test_decode_by_slot(platform, gate, v_first):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_by_slot(platform, gate, v_first, dtype):
+    """bf16 inputs keep an fp32 pool; the reference runs in float64 on the bf16-rounded inputs."""
     slots = np.array([4, -1, 0, 6], np.int32)
-    inputs = step_inputs(10, len(slots), 1, gate)
+    inputs = step_inputs(10, len(slots), 1, gate, dtype)
     kwargs = gate_kwargs(11, gate)
     states = normal(12, (len(slots), HV, K, V))
     pool = pool_with(np.asarray(states), slots, 13, v_first)
     o, new_pool = jax.jit(lambda *a: decode(a, pool, slots, gate, kwargs, platform, state_v_first=v_first))(*inputs)
+    assert o.dtype == dtype and new_pool.dtype == jnp.float32
     ref_o, ref_states = reference_run(inputs, states, kwargs)
     valid = slots >= 0
-    assert_close(o[valid], ref_o[valid], TOL)
+    assert_close(o[valid], ref_o[valid], TOLERANCE[dtype])
     assert np.all(np.asarray(o[~valid]) == 0), "padded rows output zeros"
     after, before = k_first(new_pool, v_first), k_first(pool, v_first)
-    assert_close(after[slots[valid]], ref_states[valid], TOL, "pool rows")
+    assert_close(after[slots[valid]], ref_states[valid], TOLERANCE[dtype], "pool rows")
     untouched = np.setdiff1d(np.arange(SLOTS), slots)
     np.testing.assert_array_equal(after[untouched], before[untouched])
 
@@ -108,13 +111,14 @@ def test_speculative_tokens_keep_their_states(platform, cfg):
     np.testing.assert_array_equal(new_pool[untouched], np.asarray(pool)[untouched])
 
 
-@pytest.mark.parametrize("v_first", [False, True])
-def test_prefill_then_decode_hands_over_exactly(v_first):
-    """Packed prefill from the pool (one fresh request), then decode steps, equal one long sequence."""
+@pytest.mark.parametrize("v_first, dtype", [(False, jnp.float32), (True, jnp.float32), (False, jnp.bfloat16)])
+def test_prefill_then_decode_hands_over_exactly(v_first, dtype):
+    """Packed prefill from the pool (one fresh request), then decode steps, equal one long sequence; bf16 inputs
+    keep an fp32 pool."""
     lengths, slots = [5, 0, 3], np.array([2, 5, 0], np.int32)
     has_initial = np.array([True, True, False])
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    prompt = step_inputs(30, 1, int(cu_seqlens[-1]) + 2)  # two tokens past the end belong to nobody
+    prompt = step_inputs(30, 1, int(cu_seqlens[-1]) + 2, dtype=dtype)  # two tokens past the end belong to nobody
     kwargs = gate_kwargs(31, "softplus")
     states = normal(32, (3, HV, K, V))
     pool = pool_with(np.asarray(states), slots, 33, v_first)
@@ -124,14 +128,16 @@ def test_prefill_then_decode_hands_over_exactly(v_first):
         platform="xla", **kwargs,
     )
     starts = np.where(has_initial[:, None, None, None], np.asarray(states), 0.0)
+    assert o.dtype == dtype and pool_after.dtype == jnp.float32
     ref_o, ref_states = reference_run(prompt, starts, kwargs, cu_seqlens)
-    assert_close(o, ref_o, TOL)
-    assert_close(k_first(pool_after, v_first)[slots], ref_states, TOL, "prefill states")
+    tol = TOLERANCE[dtype]
+    assert_close(o, ref_o, tol)
+    assert_close(k_first(pool_after, v_first)[slots], ref_states, tol, "prefill states")
 
-    step = step_inputs(34, 3, 1)
+    step = step_inputs(34, 3, 1, dtype=dtype)
     o_step, pool_next = decode(step, pool_after, slots, "softplus", kwargs, "pallas", state_v_first=v_first)
     ref_o_step, ref_next = reference_run(step, ref_states, kwargs)
-    assert_close((o_step, k_first(pool_next, v_first)[slots]), (ref_o_step, ref_next), TOL)
+    assert_close((o_step, k_first(pool_next, v_first)[slots]), (ref_o_step, ref_next), tol)
 
 
 def test_prefill_padded_sequence_reads_and_writes_nothing():
@@ -147,25 +153,82 @@ def test_prefill_padded_sequence_reads_and_writes_nothing():
     np.testing.assert_array_equal(np.asarray(pool_after)[rest], np.asarray(pool)[rest])
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"slots": jnp.zeros((3,), jnp.int32)}, r"slots must have shape \[batch\]"),
-        ({"slots": jnp.zeros((2,), jnp.float32)}, "slots must be an integer array"),
-        ({"pool": jnp.zeros((SLOTS, HV, K, V), jnp.bfloat16)}, "pool must be float32"),
-        ({"pool": jnp.zeros((SLOTS, HV, V, K + 1))}, r"pool must have shape"),
-        ({"gate": "softplus"}, "needs a_log"),
-        ({"lower_bound": -1.0}, "lower_bound"),
-        ({"gate": "sigmoid"}, "gate must be one of"),
-    ],
-)
+OUTSIDE = r"must be -1 \(none\) or a row in \[0, num_slots = 7\), got "
+TWICE = r"must name each row at most once \(two writes to one row would race\), got "
+DECODE_BAD = [
+    ({"slots": jnp.zeros((3,), jnp.int32)}, r"slots must have shape \[batch\]"),
+    ({"slots": jnp.zeros((2,), jnp.float32)}, "slots must be an integer array"),
+    ({"slots": jnp.array([0, SLOTS], jnp.int32)}, "slots " + OUTSIDE + r"\[7\]"),
+    ({"slots": jnp.array([-2, 0], jnp.int32)}, "slots " + OUTSIDE + r"\[-2\]"),
+    ({"slots": jnp.array([3, 3], jnp.int32)}, "slots " + TWICE + r"\[3\] more than once"),
+    ({"token_slots": jnp.array([[1], [SLOTS]], jnp.int32)}, "token_slots " + OUTSIDE + r"\[7\]"),
+    ({"token_slots": jnp.array([[4], [4]], jnp.int32)}, "token_slots " + TWICE + r"\[4\]"),
+    ({"pool": jnp.zeros((SLOTS, HV, K, V), jnp.bfloat16)}, "pool must be float32"),
+    ({"pool": jnp.zeros((SLOTS, HV, V, K + 1))}, r"pool must have shape"),
+    ({"pool": jnp.zeros((HV, K, V))}, r"pool must have shape \[num_slots, num_value_heads, head_dim, v_head_dim\]"),
+    ({"g": jnp.zeros((2, 1, HV))}, r"g must have shape \[batch, tokens, num_value_heads, head_dim or 1\] \(4 dims"),
+    ({"gate": "softplus"}, "needs a_log"),
+    ({"gate": "softplus", "a_log": jnp.zeros((HV,), jnp.int32)}, "a_log must be a floating-point array, got dtype int"),
+    ({"gate": "softplus", "a_log": jnp.zeros((HV,)), "dt_bias": jnp.zeros((HV, K), jnp.int32)},
+     "dt_bias must be a floating-point array, got dtype int32"),
+    ({"gate": "bounded", "a_log": jnp.zeros((HV,)), "lower_bound": 1.0}, r"lower_bound must be a number <= 0 .*1.0"),
+    ({"lower_bound": -1.0}, "lower_bound"),
+    ({"gate": "sigmoid"}, "gate must be one of"),
+    ({"softmax_scale": 0.0}, r"softmax_scale must be a number > 0 .* got 0.0"),
+    ({"softmax_scale": "0.5"}, r"softmax_scale must be a number > 0 .* got '0.5'"),
+]
+
+
+@pytest.mark.parametrize("change, message", DECODE_BAD)
 def test_invalid_arguments_are_named(change, message):
-    q, k, v, g, beta = step_inputs(50, 2, 1, "activated")
-    arguments = {"pool": jnp.zeros((SLOTS, HV, K, V)), "slots": jnp.zeros((2,), jnp.int32), "gate": "activated"}
-    arguments.update(change)
-    pool, slots = arguments.pop("pool"), arguments.pop("slots")
+    inputs = dict(zip("q k v g beta".split(), step_inputs(50, 2, 1, "activated")))
+    arguments = {**inputs, "pool": jnp.zeros((SLOTS, HV, K, V)), "slots": jnp.array([0, 1], jnp.int32),
+                 "gate": "activated", **change}
+    positional = [arguments.pop(name) for name in ("q", "k", "v", "g", "beta", "pool", "slots")]
     with pytest.raises(ValueError, match=message):
-        kda_decode_pool(q, k, v, g, beta, pool, slots, platform="xla", **arguments)
+        kda_decode_pool(*positional, platform="xla", **arguments)
+
+
+PREFILL_BAD = [
+    ({"q": jnp.zeros((1, 6, H * K))}, r"q must have shape \[batch, seq_len, num_heads, head_dim\] \(4 dims\)"),
+    ({"pool": jnp.zeros((SLOTS, HV, K, V), jnp.bfloat16)}, r"pool must be float32 \(the recurrent state\), got bf"),
+    ({"pool": jnp.zeros((SLOTS, HV, K, V + 1))},
+     r"pool must have shape \[num_slots, num_value_heads, head_dim, v_head_dim\] = \[\*, 2, 16, 32\]"),
+    ({"pool": jnp.zeros((HV, K, V))}, r"pool must have shape \[num_slots, num_value_heads, head_dim, v_head_dim\]"),
+    ({"state_v_first": True}, r"pool must have shape \[num_slots, num_value_heads, v_head_dim, head_dim\]"),
+    ({"has_initial_state": jnp.ones((2,))}, "has_initial_state must be a bool array, got dtype float32"),
+    ({"cu_seqlens": jnp.array([0.0, 3.0, 6.0])}, "cu_seqlens must be an integer array"),
+    ({"cu_seqlens": jnp.array([[0, 3, 6]], jnp.int32)}, r"cu_seqlens must have shape \[num_sequences \+ 1\]"),
+    ({"cu_seqlens": jnp.array([0, 5, 3], jnp.int32)}, r"cu_seqlens must start at 0, never decrease .* \[0, 5, 3\]"),
+    ({"cu_seqlens": jnp.array([0, 3, 9], jnp.int32)}, r"cu_seqlens .* end at most at seq_len 6, got \[0, 3, 9\]"),
+    ({"slots": jnp.array([SLOTS, 0], jnp.int32)}, "slots " + OUTSIDE + r"\[7\]"),
+    ({"slots": jnp.array([2, 2], jnp.int32)}, "slots " + TWICE + r"\[2\]"),
+    ({"g": jnp.zeros((1, 6, HV))}, r"g must have shape \[batch, tokens, num_value_heads, head_dim or 1\]"),
+    ({"gate": "bounded", "a_log": jnp.zeros((HV,)), "lower_bound": 0.5}, r"lower_bound must be a number <= 0"),
+]
+
+
+@pytest.mark.parametrize("change, message", PREFILL_BAD)
+def test_prefill_invalid_arguments_are_named(change, message):
+    """Two packed sequences of 3 tokens each."""
+    inputs = dict(zip("q k v g beta".split(), step_inputs(55, 1, 6, "activated")))
+    arguments = {**inputs, "pool": jnp.zeros((SLOTS, HV, K, V)), "slots": jnp.array([0, 1], jnp.int32),
+                 "cu_seqlens": jnp.array([0, 3, 6], jnp.int32), **change}
+    positional = [arguments.pop(name) for name in ("q", "k", "v", "g", "beta", "pool", "slots")]
+    with pytest.raises(ValueError, match=message):
+        kda_prefill_pool(*positional, platform="xla", **arguments)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_numpy_scalars_work_as_python_numbers(op):
+    """softmax_scale and lower_bound as numpy scalars (as kernel_delta_attention takes them) give the same result."""
+    inputs = step_inputs(56, 2, 1)
+    pool, slots = jnp.zeros((SLOTS, HV, K, V)), jnp.array([0, 1], jnp.int32)
+    kwargs = {"a_log": normal(57, (HV,), scale=0.5), "gate": "bounded", "platform": "xla"}
+    run = kda_decode_pool if op == "decode" else kda_prefill_pool
+    want = run(*inputs, pool, slots, softmax_scale=0.3, lower_bound=-5.0, **kwargs)
+    got = run(*inputs, pool, slots, softmax_scale=np.float32(0.3), lower_bound=np.float32(-5.0), **kwargs)
+    assert_close(got, want, TOL)
 
 
 def test_autotune_inputs_have_distinct_slots():
@@ -174,8 +237,8 @@ def test_autotune_inputs_have_distinct_slots():
 
     kernel = KdaDecodePool()
     inputs = step_inputs(60, 4, 1, "activated")
-    problem = kernel.prepare(*inputs, jnp.zeros((3, HV, K, V)), jnp.zeros((4,), jnp.int32),
-                             token_slots=jnp.zeros((4, 1), jnp.int32))
+    slots = jnp.array([2, -1, 0, 1], jnp.int32)
+    problem = kernel.prepare(*inputs, jnp.zeros((3, HV, K, V)), slots, token_slots=slots[:, None])
     tuned = kernel.autotune_problem(kernel.invocation(problem, "pallas"), jax.random.key(0))
     np.testing.assert_array_equal(tuned.slots, [0, 1, 2, -1])
     np.testing.assert_array_equal(tuned.token_slots[:, 0], [0, 1, 2, -1])

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+import numbers
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def describe(shape: Sequence[Any]) -> str:
@@ -39,3 +43,78 @@ def check_integer(name: str, array: Any) -> None:
 def check_divides(small_name: str, small: int, big_name: str, big: int) -> None:
     if small <= 0 or big % small:
         raise ValueError(f"{small_name} ({small}) must divide {big_name} ({big})")
+
+
+def is_concrete(x: Any) -> bool:
+    """False for a traced value (under jit): its value is known only at run time, so value checks skip it."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_bool(name: str, array: Any) -> None:
+    if jnp.result_type(array) != jnp.bool_:
+        raise ValueError(f"{name} must be a bool array, got dtype {jnp.result_type(array)}")
+
+
+def check_dtype(name: str, array: Any, dtype: Any, why: str) -> None:
+    """`why` says what the array holds that needs `dtype`, e.g. 'the recurrent state'."""
+    if jnp.result_type(array) != dtype:
+        raise ValueError(f"{name} must be {jnp.dtype(dtype).name} ({why}), got {jnp.result_type(array)}")
+
+
+def _real_number(value: Any) -> float | None:
+    """value as a float if it is a concrete real scalar (a Python or numpy number, or a 0-d array), else None."""
+    if isinstance(value, (bool, np.bool_)) or not is_concrete(value):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and (
+            jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+        return float(value)
+    return None
+
+
+def check_number(name: str, value: Any, need: str, accept: Callable[[float], bool]) -> float:
+    """A finite real scalar (Python or numpy, not traced: ops hold it as a static) for which accept(value) holds,
+    as a float; `need` says what in words for the message, e.g. 'a number <= 0'."""
+    number = _real_number(value)
+    if number is None or not math.isfinite(number) or not accept(number):
+        raise ValueError(f"{name} must be {need} (a finite Python or numpy number, not traced), got {value!r}")
+    return number
+
+
+def check_positive_number(name: str, value: Any) -> float:
+    return check_number(name, value, "a number > 0", lambda number: number > 0)
+
+
+def check_cu_seqlens(cu_seqlens: Any, batch: int, length: int, batch_of: str) -> None:
+    """Packed sequence boundaries [num_sequences + 1] into a batch of one of `length` tokens (`batch_of` names the
+    array whose batch that is); values are checked unless traced."""
+    check_integer("cu_seqlens", cu_seqlens)
+    check_rank("cu_seqlens", cu_seqlens, 1, "[num_sequences + 1]")
+    if jnp.shape(cu_seqlens)[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape [num_sequences + 1] with at least 2 entries, "
+                         f"got {describe(jnp.shape(cu_seqlens))}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs a batch of one (packed sequences), got {batch_of} batch {batch}")
+    if is_concrete(cu_seqlens):
+        bounds = np.asarray(cu_seqlens)
+        if bounds[0] != 0 or np.any(np.diff(bounds) < 0) or bounds[-1] > length:
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at most at seq_len {length}, got {bounds.tolist()}"
+            )
+
+
+def check_rows(name: str, rows: Any, num_rows: int, count_name: str = "num_slots") -> None:
+    """Indices of pool rows, -1 for none: when concrete, each in [-1, num_rows) (the gathers would clamp and the
+    scatters drop anything else) and the rows named at most once (two writes to one row race)."""
+    if not is_concrete(rows):
+        return
+    values = np.asarray(rows).reshape(-1)
+    outside = values[(values < -1) | (values >= num_rows)]
+    if outside.size:
+        raise ValueError(f"{name} must be -1 (none) or a row in [0, {count_name} = {num_rows}), "
+                         f"got {np.unique(outside).tolist()}")
+    named, counts = np.unique(values[values >= 0], return_counts=True)
+    if np.any(counts > 1):
+        raise ValueError(f"{name} must name each row at most once (two writes to one row would race), "
+                         f"got {named[counts > 1].tolist()} more than once")

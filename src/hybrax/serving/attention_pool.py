@@ -7,9 +7,10 @@ decoding, or a chunk of a prompt, with new_lengths[b] <= T of them real): their 
 positions cached_lengths[b] ... of the request's row, and each new token attends causally to its row up to and
 including itself (within `sliding_window`, with `attention`'s soft cap and sinks). Slot -1 marks a padded
 request, and tokens past new_lengths are padding: they read nothing, write nothing and output zeros. Rows no
-request names stay bit-for-bit unchanged; donate the pools to update them in place. The caller advances
-cached_lengths by new_lengths after the step and keeps cached_lengths + new_lengths <= max_len (writes past the
-end are dropped, and those tokens would not see themselves).
+request names stay bit-for-bit unchanged; donate the pools to update them in place. Valid slots must be
+distinct. The caller advances cached_lengths by new_lengths after the step and keeps cached_lengths + new_lengths
+<= max_len: concrete lengths are checked; traced ones are not, and writes past the end are dropped (those tokens
+would not see themselves).
 
 The XLA implementation ("xla:gather") runs `hybrax.attention` on the gathered rows with a mask of each token's
 visible positions: it copies the requests' rows once per step. The Pallas one ("pallas:in_place",
@@ -25,10 +26,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, register, static_field
-from hybrax.core.validate import check_floating, check_integer, check_rank, check_shape
+from hybrax.core.validate import (
+    check_floating, check_integer, check_positive_number, check_rank, check_shape, is_concrete,
+)
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
 from hybrax.ops.attention.pallas_flash_tiles import from_rows, head_rows, to_rows
@@ -87,14 +91,44 @@ def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, cached_
                 "[num_slots, max_len, num_kv_heads, v_head_dim] (k_pool's slots and length, v's heads and dim)")
     for name, array in (("q", q), ("k", k), ("v", v), ("k_pool", k_pool), ("v_pool", v_pool)):
         check_floating(name, array)
-    check_slots(slots, None, batch)
+    check_slots(slots, None, batch, num_slots)
+    if cached_lengths is None:
+        raise ValueError("cached_lengths must be an integer array [batch] (the tokens already in each row), got None")
     for name, lengths in (("cached_lengths", cached_lengths), ("new_lengths", new_lengths)):
         if lengths is not None:
             check_shape(name, lengths, (batch,), "[batch]")
             check_integer(name, lengths)
+    _check_length_values(slots, cached_lengths, new_lengths, tokens, max_len)
     if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 0):
         raise ValueError(f"sliding_window must be an int >= 0 (keys back from each token) or None, "
                          f"got {sliding_window!r}")
+
+
+def _check_length_values(slots: Any, cached_lengths: Any, new_lengths: Any, tokens: int, max_len: int) -> None:
+    """When concrete: 0 <= new_lengths <= tokens, and each request's tokens fit in its row (past max_len the
+    writes are dropped and the tokens would not see themselves); padded requests (slot -1) are not checked."""
+    new = np.full(np.shape(slots), tokens) if new_lengths is None else new_lengths
+    if not all(is_concrete(x) for x in (slots, cached_lengths, new)):
+        return
+    real = np.asarray(slots) >= 0
+    new, cached = np.asarray(new)[real], np.asarray(cached_lengths)[real]
+    if np.any((new < 0) | (new > tokens)):
+        raise ValueError(f"new_lengths must be in [0, tokens = {tokens}] (the real new tokens of each request), "
+                         f"got {new.tolist()} for the requests with a slot")
+    if np.any(cached < 0) or np.any(cached + new > max_len):
+        raise ValueError(f"cached_lengths + new_lengths must be in [0, max_len = {max_len}] (each request's tokens "
+                         f"fit in its row), got cached_lengths {cached.tolist()} and new_lengths {new.tolist()} "
+                         f"for the requests with a slot")
+
+
+def _scalars(softmax_scale: Any, logits_soft_cap: Any) -> tuple[float | None, float | None]:
+    """softmax_scale and logits_soft_cap as Python floats (both implementations hold them as statics), checked here
+    so the in-place kernel refuses what `attention` refuses (a soft cap of 0 would divide by zero)."""
+    if softmax_scale is not None:
+        softmax_scale = check_positive_number("softmax_scale", softmax_scale)
+    if logits_soft_cap is not None:
+        logits_soft_cap = check_positive_number("logits_soft_cap", logits_soft_cap)
+    return softmax_scale, logits_soft_cap
 
 
 def _write(pool: jax.Array, rows: jax.Array, positions: jax.Array, new: jax.Array) -> jax.Array:
@@ -126,6 +160,7 @@ class AttentionDecodePool(Kernel[AttentionDecodePoolConfig, Any]):
         if softmax_aux is not None:
             check_rank("softmax_aux", softmax_aux, 2, "[num_heads, num_sinks]")
             check_shape("softmax_aux", softmax_aux, (heads, None), "[num_heads, num_sinks]")
+        softmax_scale, logits_soft_cap = _scalars(softmax_scale, logits_soft_cap)
         if new_lengths is None:
             new_lengths = jnp.full((batch,), tokens, jnp.int32)
         return AttentionPoolProblem(

@@ -5,7 +5,7 @@ The way vLLM and SGLang serve KDA: every live request owns a row of a pool of fp
 slot indices [B], and -1 marks a padded request (CUDA-graph batch padding), which reads nothing,
 writes nothing and outputs zeros. Each request advances T tokens (T > 1: speculative decoding);
 with `token_slots` [B, T] the state after token t is written to row token_slots[b, t] (-1: not
-kept), so a verifier can resume from any accepted token; without it the final state goes back to
+kept; no row named twice), so a verifier can resume from any accepted token; without it the final state goes back to
 slots[b]. Rows no request names stay bit-for-bit unchanged, and the pool is updated in place when
 the caller donates it.
 
@@ -21,11 +21,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, register, static_field
-from hybrax.core.validate import check_floating, check_integer, check_rank, check_shape
+from hybrax.core.validate import (
+    check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
+    check_shape, is_concrete,
+)
 from hybrax.ops.kda import pallas_decode
 from hybrax.ops.kda.gate import activate_beta, fused_gate
 from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
@@ -71,6 +75,8 @@ class KdaPoolProblem:
 
 
 def check_gate(gate: str, g: Any, a_log: Any, dt_bias: Any, lower_bound: Any, heads: int, dk: int) -> None:
+    check_rank("g", g, 4, "[batch, tokens, num_value_heads, head_dim or 1]")
+    check_floating("g", g)
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     if gate == "activated":
@@ -82,17 +88,35 @@ def check_gate(gate: str, g: Any, a_log: Any, dt_bias: Any, lower_bound: Any, he
         if a_log is None:
             raise ValueError(f'gate="{gate}" needs a_log [num_value_heads] = [{heads}], got None')
         check_shape("a_log", a_log, (heads,), "[num_value_heads]")
+        check_floating("a_log", a_log)
         if dt_bias is not None:
             check_shape("dt_bias", dt_bias, (heads, dk), "[num_value_heads, head_dim]")
+            check_floating("dt_bias", dt_bias)
     if (gate == "bounded") != (lower_bound is not None):
-        raise ValueError(f'lower_bound (a Python number <= 0) goes with gate="bounded" alone, got gate={gate!r} '
+        raise ValueError(f'lower_bound (a number <= 0) goes with gate="bounded" alone, got gate={gate!r} '
                          f"and lower_bound={lower_bound!r}")
-    if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound <= 0):
-        raise ValueError(f"lower_bound must be a Python number <= 0, got {lower_bound!r}")
+    if lower_bound is not None:
+        check_number("lower_bound", lower_bound, "a number <= 0", lambda bound: bound <= 0)
     batch, length, _, _ = jnp.shape(g)
     if jnp.shape(g) not in ((batch, length, heads, dk), (batch, length, heads, 1)):
         raise ValueError(f"g must have shape [batch, tokens, num_value_heads, head_dim or 1] = "
                          f"[{batch}, {length}, {heads}, {dk} or 1], got {list(jnp.shape(g))}")
+
+
+def check_pool(pool: Any, value_heads: int, dk: int, dv: int, v_first: bool) -> None:
+    """The fp32 state pool [num_slots, HV, K, V], or [num_slots, HV, V, K] when v_first."""
+    row = (value_heads, dv, dk) if v_first else (value_heads, dk, dv)
+    minor = "v_head_dim, head_dim]" if v_first else "head_dim, v_head_dim]"
+    check_rank("pool", pool, 4, "[num_slots, num_value_heads, " + minor)
+    check_shape("pool", pool, (None, *row), "[num_slots, num_value_heads, " + minor)
+    check_dtype("pool", pool, jnp.float32, "the recurrent state")
+
+
+def check_token_slots(token_slots: Any, slots: Any, num_slots: int) -> None:
+    """The rows kept after each token (-1: none) of the requests with a valid slot, when concrete."""
+    if is_concrete(slots) and is_concrete(token_slots):
+        kept = np.where(np.asarray(slots)[:, None] >= 0, np.asarray(token_slots), -1)
+        check_rows("token_slots", kept, num_slots)
 
 
 class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
@@ -115,23 +139,19 @@ class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
             raise ValueError(f"num_value_heads of v ({value_heads}) must be a multiple of num_heads of q ({heads})")
         check_shape("beta", beta, (batch, length, value_heads), "[batch, tokens, num_value_heads]")
         check_gate(gate, g, a_log, dt_bias, lower_bound, value_heads, dk)
-        row = (value_heads, dv, dk) if state_v_first else (value_heads, dk, dv)
-        minor = "v_head_dim, head_dim]" if state_v_first else "head_dim, v_head_dim]"
-        layout = "[num_slots, num_value_heads, " + minor
-        check_shape("pool", pool, (None, *row), layout)
-        if jnp.result_type(pool) != jnp.float32:
-            raise ValueError(f"pool must be float32 (the recurrent state), got {jnp.result_type(pool)}")
+        check_pool(pool, value_heads, dk, dv, state_v_first)
+        num_slots = jnp.shape(pool)[0]
         check_shape("slots", slots, (batch,), "[batch]")
         check_integer("slots", slots)
+        check_rows("slots", slots, num_slots)
         if token_slots is not None:
             check_shape("token_slots", token_slots, (batch, length), "[batch, tokens]")
             check_integer("token_slots", token_slots)
+            check_token_slots(token_slots, slots, num_slots)
             token_slots = jnp.asarray(token_slots, jnp.int32)
-        for name, array in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        for name, array in (("q", q), ("k", k), ("v", v), ("beta", beta)):
             check_floating(name, array)
-        scale = dk**-0.5 if softmax_scale is None else softmax_scale
-        if not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"softmax_scale must be a positive Python number or None, got {softmax_scale!r}")
+        scale = dk**-0.5 if softmax_scale is None else check_positive_number("softmax_scale", softmax_scale)
         return KdaPoolProblem(
             q=q, k=k, v=v, g=g, beta=beta, pool=pool, slots=jnp.asarray(slots, jnp.int32), token_slots=token_slots,
             a_log=a_log, dt_bias=dt_bias, scale=float(scale), gate=gate,

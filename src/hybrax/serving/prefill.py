@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from hybrax.core.validate import check_integer, check_shape
+from hybrax.core.validate import check_bool, check_cu_seqlens, check_integer, check_rank, check_rows, check_shape
 from hybrax.ops.kda.api import kernel_delta_attention
-from hybrax.serving.kda_pool import check_gate, scatter_rows, swap_layout
+from hybrax.serving.kda_pool import check_gate, check_pool, scatter_rows, swap_layout
 
 
 def token_sequence(cu_seqlens: jax.Array, length: int) -> jax.Array:
@@ -45,13 +45,16 @@ def padded_token_mask(slots: jax.Array, batch: int, length: int, cu_seqlens: jax
     return (inside & (slots[jnp.minimum(sequence, slots.shape[0] - 1)] >= 0))[None]
 
 
-def check_slots(slots: Any, has_initial_state: Any, count: int, packed: bool = False) -> None:
-    """slots (and has_initial_state) [count]: one per request, or per cu_seqlens segment when `packed`."""
+def check_slots(slots: Any, has_initial_state: Any, count: int, num_slots: int, packed: bool = False) -> None:
+    """slots (and has_initial_state) [count]: one per request, or per cu_seqlens segment when `packed`; each slot
+    -1 or a distinct row of a pool of num_slots (checked when concrete)."""
     what = "[num_sequences] (one per cu_seqlens segment)" if packed else "[batch]"
     check_shape("slots", slots, (count,), what)
     check_integer("slots", slots)
+    check_rows("slots", slots, num_slots)
     if has_initial_state is not None:
         check_shape("has_initial_state", has_initial_state, (count,), what)
+        check_bool("has_initial_state", has_initial_state)
 
 
 def kda_prefill_pool(
@@ -79,14 +82,19 @@ def kda_prefill_pool(
     """Prefill B sequences (or N packed ones with cu_seqlens, batch 1) from their pool rows; returns
     (output in q's dtype, the pool with each valid row holding its sequence's final state).
 
-    Arguments as `kda_decode_pool` (same gate forms and pool layouts); slots and has_initial_state
-    [N] name one row per sequence; has_initial_state None: every sequence continues its row.
+    Arguments as `kda_decode_pool` (same gate forms and fp32 pool layouts); slots and has_initial_state (bool)
+    [N] name one distinct row per sequence; has_initial_state None: every sequence continues its row.
     """
+    check_rank("q", q, 4, "[batch, seq_len, num_heads, head_dim]")
+    check_rank("v", v, 4, "[batch, seq_len, num_value_heads, v_head_dim]")
     batch, length, _, dk = jnp.shape(q)
-    value_heads = jnp.shape(v)[2]
+    value_heads, dv = jnp.shape(v)[2:]
+    check_pool(pool, value_heads, dk, dv, state_v_first)  # named as the pool, not as the gathered initial_state
     check_gate(gate, g, a_log, dt_bias, lower_bound, value_heads, dk)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, batch, length, "q")
     num_sequences = batch if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
-    check_slots(slots, has_initial_state, num_sequences, packed=cu_seqlens is not None)
+    check_slots(slots, has_initial_state, num_sequences, jnp.shape(pool)[0], packed=cu_seqlens is not None)
     slots = jnp.asarray(slots, jnp.int32)
     initial = swap_layout(gather_rows(pool, slots, has_initial_state), state_v_first)
     decay = g[..., 0] if jnp.shape(g)[-1] == 1 else g  # kernel_delta_attention takes per-head decay as [B, T, HV]

@@ -5,8 +5,10 @@ conv-state pool indexed by the same slots as the KDA state pool.
 
 A sequence's conv state is its last W - 1 inputs, [D, W - 1] oldest first (vLLM's
 causal_conv1d layout: pool [num_slots, D, W - 1], weight [D, W]); inputs before a sequence's
-first token come from its state row (zeros where has_initial_state is False). Slot -1 marks a
-padded row: it reads nothing, writes nothing and outputs zeros. XLA only: the convolution moves
+first token come from its state row (zeros where has_initial_state is False). The pool is fp32,
+like the KDA state pool (it holds fp32, bf16 and fp16 inputs exactly); x, weight and bias may
+be any floating dtype, and the sums run in fp32. Slot -1 marks a padded row: it reads
+nothing, writes nothing and outputs zeros; valid slots must be distinct. XLA only: the convolution moves
 B*D*W numbers per token against the KDA state's B*HV*K*V, so a fused kernel would save under 1%
 of a decode step's traffic.
 """
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from hybrax.core.validate import check_rank, check_shape
+from hybrax.core.validate import check_cu_seqlens, check_dtype, check_floating, check_rank, check_shape
 from hybrax.serving.prefill import check_slots, gather_rows, token_sequence
 
 ACTIVATIONS = ("silu", None)
@@ -31,8 +33,12 @@ def _check_conv(x: Any, pool: Any, weight: Any, bias: Any, activation: Any) -> N
     width = jnp.shape(weight)[1]
     check_shape("weight", weight, (dim, width), "[dim, width] (dim of x)")
     check_shape("conv_pool", pool, (None, dim, width - 1), "[num_slots, dim, width - 1]")
+    check_dtype("conv_pool", pool, jnp.float32, "the conv state, as the KDA state pool")
+    check_floating("x", x)
+    check_floating("weight", weight)
     if bias is not None:
         check_shape("bias", bias, (dim,), "[dim]")
+        check_floating("bias", bias)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
@@ -61,7 +67,7 @@ def short_conv_decode(
     """One token for each of B requests: returns (y [B, D] in x's dtype, the updated pool)."""
     check_rank("x", x, 2, "[batch, dim]")
     _check_conv(x, conv_pool, weight, bias, activation)
-    check_slots(slots, None, jnp.shape(x)[0])
+    check_slots(slots, None, jnp.shape(x)[0], jnp.shape(conv_pool)[0])
     slots = jnp.asarray(slots, jnp.int32)
     window = jnp.concatenate([gather_rows(conv_pool, slots, None).astype(jnp.float32),
                               x.astype(jnp.float32)[:, :, None]], axis=2)
@@ -100,10 +106,10 @@ def short_conv_prefill(
     packed = cu_seqlens is not None
     if not packed:  # B dense sequences are B packed ones of T tokens each
         cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * length
-    elif batch != 1:
-        raise ValueError(f"cu_seqlens needs a batch of one (packed sequences), got x batch {batch}")
+    else:
+        check_cu_seqlens(cu_seqlens, batch, length, "x")
     num_sequences = jnp.shape(cu_seqlens)[0] - 1
-    check_slots(slots, has_initial_state, num_sequences, packed=packed)
+    check_slots(slots, has_initial_state, num_sequences, jnp.shape(conv_pool)[0], packed=packed)
     slots, cu_seqlens = jnp.asarray(slots, jnp.int32), jnp.asarray(cu_seqlens, jnp.int32)
     taps = jnp.shape(weight)[1] - 1
     tokens = x.reshape(batch * length, dim).astype(jnp.float32)

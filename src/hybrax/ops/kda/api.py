@@ -22,7 +22,9 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclass, static_field, vary_like
 from hybrax.core.kernel import Invocation
-from hybrax.core.validate import check_divides, check_floating, check_integer, check_rank, check_shape, describe
+from hybrax.core.validate import (
+    check_cu_seqlens, check_divides, check_floating, check_rank, check_shape, describe, is_concrete,
+)
 from hybrax.ops.kda.gate import activate_beta, fused_gate
 
 OP_ID = "kernel_delta_attention"
@@ -81,10 +83,6 @@ class KdaProblem:
         return vary_like(jnp.zeros(self.state_shape, jnp.float32), self.q, self.k, self.v, self.beta, self.decay)
 
 
-def _is_concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def _check_qkv(query: Any, key: Any, value: Any) -> None:
     check_rank("query", query, 4, "[batch, seq_len, num_heads, head_dim]")
     check_shape("key", key, jnp.shape(query), "[batch, seq_len, num_heads, head_dim] (query's shape)")
@@ -100,22 +98,6 @@ def _check_qkv(query: Any, key: Any, value: Any) -> None:
             f"query, key and value must share one dtype, got {jnp.result_type(query)}, "
             f"{jnp.result_type(key)}, {jnp.result_type(value)}"
         )
-
-
-def _check_cu_seqlens(cu_seqlens: Any, batch: int, length: int) -> None:
-    check_integer("cu_seqlens", cu_seqlens)
-    check_rank("cu_seqlens", cu_seqlens, 1, "[num_sequences + 1]")
-    if jnp.shape(cu_seqlens)[0] < 2:
-        raise ValueError(f"cu_seqlens must have shape [num_sequences + 1] with at least 2 entries, "
-                         f"got {describe(jnp.shape(cu_seqlens))}")
-    if batch != 1:
-        raise ValueError(f"cu_seqlens needs a batch of one (packed sequences), got query batch {batch}")
-    if _is_concrete(cu_seqlens):
-        bounds = np.asarray(cu_seqlens)
-        if bounds[0] != 0 or np.any(np.diff(bounds) < 0) or bounds[-1] > length:
-            raise ValueError(
-                f"cu_seqlens must start at 0, never decrease and end at most at seq_len {length}, got {bounds.tolist()}"
-            )
 
 
 def _gate_parameters(a_log: Any, dt_bias: Any, heads: int, dk: int) -> tuple[Any, Any]:
@@ -137,7 +119,7 @@ def _check_lower_bound(lower_bound: Any) -> None:
     if jnp.size(lower_bound) != 1:
         shape = describe(jnp.shape(lower_bound))
         raise ValueError(f"lower_bound must be a scalar or an array of one element, got {shape}")
-    if _is_concrete(lower_bound) and not float(np.asarray(lower_bound).reshape(())) <= 0:
+    if is_concrete(lower_bound) and not float(np.asarray(lower_bound).reshape(())) <= 0:
         raise ValueError(f"lower_bound must be <= 0 (the gate is lower_bound * sigmoid(...)), got {lower_bound}")
 
 
@@ -186,7 +168,7 @@ class KernelDeltaAttention(Kernel[KernelDeltaAttentionConfig, Any]):
         if chunk_size not in CHUNK_SIZES:
             raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
         if cu_seqlens is not None:
-            _check_cu_seqlens(cu_seqlens, batch, length)
+            check_cu_seqlens(cu_seqlens, batch, length, "query")
             cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
         num_sequences = batch if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
         if initial_state is not None:
@@ -196,7 +178,7 @@ class KernelDeltaAttention(Kernel[KernelDeltaAttentionConfig, Any]):
             check_floating("initial_state", initial_state)
             initial_state = jnp.asarray(initial_state, jnp.float32)
         scale = dk**-0.5 if softmax_scale is None else softmax_scale
-        if isinstance(scale, bool) or not _is_concrete(scale) or np.ndim(scale) != 0 or not float(scale) > 0:
+        if isinstance(scale, bool) or not is_concrete(scale) or np.ndim(scale) != 0 or not float(scale) > 0:
             raise ValueError(f"softmax_scale must be a positive number (not traced) or None, got {softmax_scale!r}")
         return KdaProblem(
             q=query, k=key, v=value,
