@@ -147,3 +147,23 @@ def test_padded_requests_lengths_are_not_checked():
                                           jnp.array([MAX_LEN + 9, 0], jnp.int32), softmax_scale=np.float32(0.5))
     assert np.all(np.asarray(out[0]) == 0)
     np.testing.assert_array_equal(np.asarray(new_k)[[0, 2, 3, 4]], np.asarray(k_pool)[[0, 2, 3, 4]])
+
+
+@pytest.mark.parametrize("options", [dict(platform="xla"), dict(cfg=IN_PLACE)], ids=["gather", "in_place"])
+def test_gradients_match_float64(options):
+    """jax.grad through a 2-token step (a padded request among them) for q, k, v and both pools, against the XLA
+    path's autodiff on float64 inputs. The in-place kernel has no backward of its own: it takes the gather's."""
+    q, k, v = _tokens(60, 3, 2)
+    k_pool, v_pool = _pools(70)
+    slots, cached = jnp.array([3, -1, 1], jnp.int32), jnp.array([6, 0, 11], jnp.int32)
+
+    def loss(q, k, v, k_pool, v_pool, **options):
+        out, new_k, new_v = attention_decode_pool(q, k, v, k_pool, v_pool, slots, cached, sliding_window=7, **options)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(new_k * new_v[..., :D])
+
+    arrays = (q, k, v, k_pool, v_pool)
+    got = jax.grad(functools.partial(loss, **options), argnums=range(5))(*arrays)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(x), jnp.float64) for x in arrays]
+        want = [np.asarray(g) for g in jax.grad(functools.partial(loss, platform="xla"), argnums=range(5))(*wide)]
+    assert_close(got, want, TOLERANCE[jnp.float32], "gradient")

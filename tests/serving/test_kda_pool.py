@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybrax.ops.kda import reference
-from hybrax.serving import KdaDecodePoolConfig, kda_decode_pool, kda_prefill_pool
+from hybrax.serving import KdaDecodePool, KdaDecodePoolConfig, kda_decode_pool, kda_prefill_pool, kda_pool
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 
 H, HV, K, V = 1, 2, 16, 32
@@ -242,3 +242,35 @@ def test_autotune_inputs_have_distinct_slots():
     tuned = kernel.autotune_problem(kernel.invocation(problem, "pallas"), jax.random.key(0))
     np.testing.assert_array_equal(tuned.slots, [0, 1, 2, -1])
     np.testing.assert_array_equal(tuned.token_slots[:, 0], [0, 1, 2, -1])
+
+
+def _float64(tree):
+    """Float leaves in float64 (inside jax.enable_x64); ints and None as they are."""
+    return jax.tree.map(lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_gradients_through_a_step_match_float64(platform):
+    """jax.grad through a speculative step (2 tokens, a padded request) and the pool, for every float argument:
+    against autodiff of the XLA step on float64 copies of the same problem. The Pallas kernel has no backward
+    of its own: it takes the XLA step's (`register(gradient_of=...)`), so this checks that wiring."""
+    inputs, kwargs = step_inputs(70, 3, 2, "softplus"), gate_kwargs(80, "softplus")
+    pool, slots = normal(90, (SLOTS, HV, K, V), scale=0.5), jnp.array([4, -1, 1], jnp.int32)
+    arrays = (*inputs, pool, kwargs["a_log"], kwargs["dt_bias"])
+
+    def loss_of(outputs):
+        o, new_pool = outputs
+        return jnp.sum(jnp.sin(o)) + jnp.sum(new_pool ** 2)
+
+    def loss(q, k, v, g, beta, pool, a_log, dt_bias):
+        return loss_of(kda_decode_pool(q, k, v, g, beta, pool, slots, a_log=a_log, dt_bias=dt_bias, gate="softplus",
+                                       beta_is_logits=True, platform=platform))
+
+    got = jax.grad(loss, argnums=range(8))(*arrays)
+    problem = KdaDecodePool().prepare(*inputs, pool, slots, a_log=kwargs["a_log"], dt_bias=kwargs["dt_bias"],
+                                      gate="softplus", beta_is_logits=True)
+    with jax.enable_x64(True):
+        grads = jax.grad(lambda p: loss_of(kda_pool._xla_pool_decode(p, KdaDecodePoolConfig())), allow_int=True)(
+            _float64(problem))
+        want = [np.asarray(getattr(grads, name)) for name in ("q", "k", "v", "g", "beta", "pool", "a_log", "dt_bias")]
+    assert_close(got, want, TOLERANCE[jnp.float32], "gradient")

@@ -90,13 +90,21 @@ def register(
     devices: Sequence[str] = ("cpu", "gpu", "tpu"),
     fwd: Fn | None = None,
     bwd: Callable[[KernelConfig, Any, Any], Any] | None = None,
+    gradient_of: Fn | None = None,
 ) -> Callable[[Fn], Fn]:
-    """Decorator registering `fn(problem, cfg) -> out` as an implementation of `op_id`."""
-    if (fwd is None) != (bwd is None):
-        raise ValueError("register: give both fwd and bwd, or neither")
+    """Decorator registering `fn(problem, cfg) -> out` as an implementation of `op_id`. Its gradient: autodiff,
+    or a custom VJP (`fwd`, `bwd`), or `gradient_of`'s: another implementation of the same math that autodiff
+    can differentiate, for kernels that have no backward (decode steps updating state in place)."""
+    if (fwd is None) != (bwd is None) or (gradient_of is not None and fwd is not None):
+        raise ValueError("register: give both fwd and bwd, or gradient_of, or neither")
 
     def decorate(fn: Fn) -> Fn:
-        call = fn if fwd is None else _with_custom_vjp(fn, fwd, bwd)
+        call = fn
+        if gradient_of is not None:
+            call = _with_custom_vjp(fn, lambda problem, cfg: (fn(problem, cfg), problem),
+                                    lambda cfg, problem, ct: jax.vjp(lambda p: gradient_of(p, cfg), problem)[1](ct)[0])
+        elif fwd is not None:
+            call = _with_custom_vjp(fn, fwd, bwd)
         _REGISTRY[(op_id, platform, backend)] = Implementation(
             op_id=op_id,
             platform=platform,

@@ -213,7 +213,7 @@ def _in_place_heuristic(inv: Invocation) -> AttentionDecodePoolConfig:
 
 # devices=(): `auto` never picks it until a GPU has checked and timed it (platform="pallas" runs it anywhere).
 @register(OP_ID, "pallas", "in_place", priority=2, devices=(), supports=_in_place_reason,
-          heuristic_cfg=_in_place_heuristic)
+          heuristic_cfg=_in_place_heuristic, gradient_of=_gather)
 def _in_place(p: AttentionPoolProblem, cfg: AttentionDecodePoolConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     real, _, k_pool, v_pool = _new_tokens(p)
     batch, tokens, heads, head_dim = p.q.shape

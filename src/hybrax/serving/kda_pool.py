@@ -232,7 +232,7 @@ def _pallas_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
 
 
 @register(OP_ID, "pallas", "fused_recurrent", priority=20, devices=("gpu",), supports=_pallas_supports,
-          heuristic_cfg=_pallas_heuristic, candidate_cfgs=_pallas_candidates)
+          heuristic_cfg=_pallas_heuristic, candidate_cfgs=_pallas_candidates, gradient_of=_xla_pool_decode)
 def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, jax.Array]:
     return pallas_decode.fused_recurrent_decode(
         problem.q, problem.k, problem.v, problem.g, problem.beta, problem.pool, problem.slots, problem.token_slots,

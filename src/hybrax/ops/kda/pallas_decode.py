@@ -298,18 +298,9 @@ def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple
     )
 
 
-def _single_token_fwd(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[Any, KdaProblem]:
-    return _single_token(problem, cfg), problem
-
-
-def _single_token_bwd(cfg: KernelDeltaAttentionConfig, problem: KdaProblem, ct: Any) -> KdaProblem:
-    """The gradient of the same step on XLA: decode needs no fast backward, training never lands here."""
-    _, pullback = jax.vjp(lambda p: kda_single_step(p, cfg), problem)
-    return pullback(ct)[0]
-
-
 # kernel_delta_attention's T == 1 path: above xla:single_step (30) on a GPU.
 register(
     OP_ID, "pallas", "decode", priority=40, devices=("gpu",), supports=_supports_single_token,
-    heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), fwd=_single_token_fwd, bwd=_single_token_bwd,
+    heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
+    gradient_of=kda_single_step,  # decode needs no fast backward: training never lands here
 )(_single_token)
