@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrax import kernel_delta_attention
 from hybrax.ops.kda import pallas_decode, reference
+from hybrax.ops.kda.api import KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_decode import MAX_UNROLLED_TOKENS, fused_recurrent_decode
 from tests.helpers import TOLERANCE, assert_close, normal, to64
+from tests.ops.kda.oracle import loss_weights, oracle_outputs_and_gradients, our_gradients, ours
 
 B, H, HV, K, V = 3, 1, 2, 16, 32
 LOWER_BOUND = -5.0
@@ -163,21 +164,72 @@ def test_token_slots_keep_every_tokens_state():
     assert np.all(np.asarray(o[2]) == 0)
 
 
-def test_single_token_path_of_kernel_delta_attention():
-    """platform='pallas' at T == 1 runs this kernel; its gradient is the XLA step's."""
+def hard_gates(g):
+    """Log decays of -1000: request 1 forgets everything at its first token, request 2 half its keys at its last."""
+    return g.at[1, 0].set(-1000.0).at[2, -1, :, : K // 2].set(-1000.0)
+
+
+def raw_gates_for_minus_1000(g):
+    """Raw inputs of the bounded gate -1000 * sigmoid(exp(a_log) * (g + dt_bias)): -12 on half the keys keeps
+    those log decays near -0.01; the others land between about -100 and -1000 (the state forgets them)."""
+    return g.at[..., : K // 2].set(-12.0)
+
+
+@pytest.mark.parametrize("gate", ["activated", "bounded"])
+@pytest.mark.parametrize("tokens", [1, MAX_UNROLLED_TOKENS + 2])  # unrolled, and the kernel's fori_loop
+def test_gates_of_minus_1000(gate, tokens):
+    """-1000 must underflow exp(g) to 0, never overflow: activated gates, and the bounded gate's lower_bound."""
+    q, k, v, g, beta = decode_inputs(90, tokens=tokens)
+    a_log, dt_bias = gate_params(91)
+    state = normal(92, (B, HV, K, V))
+    if gate == "activated":
+        g, lower_bound, fused = hard_gates(jax.nn.log_sigmoid(g)), None, {}
+    else:
+        g, lower_bound, fused = raw_gates_for_minus_1000(g), -1000.0, {"a_log": a_log, "dt_bias": dt_bias}
+    out = fused_recurrent_decode(
+        q, k, v, g, beta, state, scale=K**-0.5, lower_bound=lower_bound, gate=gate, beta_is_logits=True, block_v=16,
+        interpret=True, **fused,
+    )
+    want = reference.kda_reference(
+        *(to64(x) for x in (q, k, v, beta, g, state)), beta_is_logits=True, lower_bound=lower_bound,
+        **{name: to64(x) for name, x in fused.items()},
+    )
+    assert_close(out, want, TOLERANCE[jnp.float32])
+
+
+SINGLE_TOKEN = {
+    "xla_single_step": KernelDeltaAttentionConfig("xla", "single_step"),
+    "pallas_decode": KernelDeltaAttentionConfig("pallas", "decode"),  # the kernel in interpret mode here
+}
+
+
+def single_token_case(gate):
+    """(arrays, options) of kernel_delta_attention at T == 1 (HV = 2 H, beta logits)."""
     q, k, v, g, beta = decode_inputs(80)
     a_log, dt_bias = gate_params(81)
-    state = normal(82, (B, HV, K, V))
-    kwargs = dict(a_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, beta_is_logits=True, return_state=True)
-    out = kernel_delta_attention(q, k, v, beta, g, state, platform="pallas", **kwargs)
-    assert_close(out, reference_steps(q, k, v, g, beta, state, "bounded", a_log, dt_bias), TOLERANCE[jnp.float32])
+    arrays = dict(q=q, k=k, v=v, beta=beta, decay=g, initial_state=normal(82, (B, HV, K, V)))
+    if gate == "activated_minus_1000":
+        return {**arrays, "decay": hard_gates(jax.nn.log_sigmoid(g))}, {"beta_is_logits": True}
+    lower_bound = LOWER_BOUND
+    if gate == "bounded_minus_1000":
+        arrays["decay"], lower_bound = raw_gates_for_minus_1000(g), -1000.0
+    return {**arrays, "a_log": a_log, "dt_bias": dt_bias}, {"beta_is_logits": True, "lower_bound": lower_bound}
 
-    def loss(platform, q, state):
-        o, final = kernel_delta_attention(q, k, v, beta, g, state, platform=platform, **kwargs)
-        return jnp.sum(o * o) + jnp.sum(final * v[:, 0, :, None, :1])
 
-    grads = jax.grad(loss, argnums=(1, 2))
-    assert_close(grads("pallas", q, state), grads("xla", q, state), TOLERANCE[jnp.float32], "grad")
+@pytest.mark.parametrize("gate", ["bounded", "activated_minus_1000", "bounded_minus_1000"])
+@pytest.mark.parametrize("impl", SINGLE_TOKEN)
+def test_single_token_paths_match_float64_oracle(impl, gate):
+    """kernel_delta_attention's T == 1 paths: output and final state, and the gradients w.r.t. every input
+    (q, k, v, beta, gate, initial state, a_log, dt_bias) of a loss of both, against float64 autodiff of the
+    oracle (test_gradients.kda64). pallas:decode's backward is the XLA step's VJP: this checks its wiring."""
+    arrays, options = single_token_case(gate)
+    weights = loss_weights(arrays)
+    want_outputs, want = oracle_outputs_and_gradients(arrays, options, weights)
+    assert_close(jax.jit(ours(SINGLE_TOKEN[impl], options))(arrays), want_outputs, TOLERANCE[jnp.float32])
+    got = our_gradients(SINGLE_TOKEN[impl], arrays, options, weights)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert_close(got[name], want[name], TOLERANCE[jnp.float32], f"d{name} {gate}/{impl}")
 
 
 def test_unsupported_head_sizes_are_declined():

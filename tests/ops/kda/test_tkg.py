@@ -12,6 +12,7 @@ import pytest
 from hybrax import kda_tkg, kernel_delta_attention
 from hybrax.ops.kda import reference, tkg
 from tests.helpers import TOLERANCE, assert_close, normal, to64
+from tests.ops.kda.oracle import kda64
 
 LOWER_BOUND = -5.0
 
@@ -30,6 +31,19 @@ def step_inputs(seed, batch, dk, heads, dv, dtype=jnp.float32):
 def reference_step(args):
     without_out = [to64(x) for index, x in enumerate(args) if index != 7]
     return reference.kda_tkg_reference(*without_out)
+
+
+def heads_first(args):
+    """The seed's arguments (out left out) in the layouts of the steps inside kda_tkg: q, k, g [B, 1, H, dk],
+    v [B, 1, H, dv], a_log [H], dt_bias [H, dk]."""
+    q, k, v, g, beta, a_log, dt_bias, _, state, scale, lower_bound = args
+    q, k, g = (jnp.swapaxes(x, 1, 2)[:, None] for x in (q, k, g))
+    return q, k, v[:, None], g, beta, a_log.reshape(-1), dt_bias.T, state, scale, lower_bound
+
+
+def pallas_step(args):
+    """The GPU path (the fused decode kernel, scale and lower_bound as arrays), in interpret mode."""
+    return tkg._pallas_step(*heads_first(args), interpret=True)
 
 
 def test_signature_is_the_seeds():
@@ -51,14 +65,40 @@ def test_bf16_inputs_give_out_dtype():
 
 
 def test_pallas_kernel_step_in_interpret_mode():
-    # The GPU path (the fused decode kernel, scale and lower_bound as arrays), run in interpret mode.
     args = step_inputs(20, 2, 16, 2, 16)
-    q, k, v, g, beta, a_log, dt_bias, _, state, scale, lower_bound = args
-    heads_first = [jnp.swapaxes(x, 1, 2)[:, None] for x in (q, k, g)]
-    out = tkg._pallas_step(
-        heads_first[0], heads_first[1], v[:, None], heads_first[2], beta, a_log.reshape(-1), dt_bias.T, state,
-        scale, lower_bound, interpret=True,
-    )
+    assert_close(pallas_step(args), reference_step(args), TOLERANCE[jnp.float32])
+
+
+def test_pallas_step_gradients_match_float64():
+    """The kernel has no backward: jax.grad takes the XLA step's, here against float64 autodiff of one KDA step
+    (the bounded gate, beta logits) for every float argument."""
+    args = step_inputs(40, 2, 16, 2, 16)
+    arrays = heads_first(args)[:8]
+    scale, lower_bound = float(args[9][0, 0]), float(args[10][0, 0])
+
+    def loss_of(outputs):
+        out, state = outputs
+        return jnp.sum(jnp.sin(out)) + jnp.sum(state ** 2)
+
+    got = jax.grad(lambda *a: loss_of(tkg._pallas_step(*a, *args[9:], interpret=True)), argnums=range(8))(*arrays)
+    with jax.enable_x64(True):
+        def oracle(q, k, v, g, beta, a_log, dt_bias, state):
+            return kda64(q, k, v, beta, g, state, a_log, dt_bias, lower_bound=lower_bound, beta_is_logits=True,
+                         softmax_scale=scale)
+
+        wide = [jnp.asarray(to64(x)) for x in arrays]
+        want = [to64(g) for g in jax.grad(lambda *a: loss_of(oracle(*a)), argnums=range(8))(*wide)]
+    assert_close(got, want, TOLERANCE[jnp.float32], "gradient")
+
+
+@pytest.mark.parametrize("path", ["xla", "pallas_interpret"])
+def test_lower_bound_of_minus_1000(path):
+    """lower_bound = -1000: exp(g) must underflow to 0, never overflow. Raw gates of -12 on half the keys keep
+    those log decays near -0.01; the others land between about -100 and -1000 (the state forgets them)."""
+    args = step_inputs(70, 3, 16, 2, 16)  # the kernel takes V >= 16
+    args[3] = args[3].at[:, :8].set(-12.0)  # g [B, dk, H]
+    args[10] = jnp.full((1, 1), -1000.0)
+    out = jax.jit(kda_tkg)(*args) if path == "xla" else pallas_step(args)
     assert_close(out, reference_step(args), TOLERANCE[jnp.float32])
 
 

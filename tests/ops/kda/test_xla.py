@@ -1,15 +1,18 @@
-"""XLA KDA (chunked, scan, single step) against the float64 reference: outputs, states, gradients."""
+"""XLA KDA (chunked, scan, single step) against the float64 reference: outputs, states, gradients (more in
+test_gradients.py)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from hybrax.ops.kda import reference
 from hybrax.ops.kda.api import KernelDeltaAttentionConfig, kernel_delta_attention
 from hybrax.ops.kda.xla_chunked import from_packed_rows, packed_layout, to_packed_rows
 from tests.helpers import TOLERANCE, assert_close, normal, to64
+from tests.ops.kda.oracle import as64, kda64
 
 B, T, H, HV, K, V = 2, 45, 2, 4, 8, 6
 CHUNKED = {c: KernelDeltaAttentionConfig("xla", "chunked", chunk_size=c) for c in (16, 32, 64)}
@@ -104,42 +107,33 @@ def test_single_step_and_state_passthrough():
 
 @pytest.mark.parametrize("lower_bound", [None, -3.0])
 @pytest.mark.parametrize("cu", [None, (0, 5, 5, 37)])
-def test_gradients_chunked_equal_scan(lower_bound, cu):
+def test_fused_gate_gradients_match_float64_oracle(lower_bound, cu):
+    """Chunked gradients through both fused gates (beta logits, HV = 2 H, packed with an empty sequence) against
+    float64 autodiff of the oracle (test_gradients.kda64); test_gradients.py runs every implementation."""
     q, k, v, _, _, _ = inputs(length=37, batch=1)
     beta, raw = normal(3, (1, 37, HV)), normal(4, (1, 37, HV, K))
     a_log, dt_bias = normal(8, (HV,), scale=0.5), normal(9, (HV, K))
     h0 = normal(6, (1 if cu is None else 3, HV, K, V))
-    cu = None if cu is None else jnp.array(cu, jnp.int32)
     w, ws = normal(11, (1, 37, HV, V)), normal(12, h0.shape)
 
-    def loss(cfg):
-        def f(*a):
-            o, s = kernel_delta_attention(*a[:5], a[7], return_state=True, cfg=cfg, a_log=a[5], dt_bias=a[6],
-                                          lower_bound=lower_bound, beta_is_logits=True, cu_seqlens=cu)
-            return jnp.sum(o * w) + jnp.sum(s * ws)
-        return f
+    def f(*a):
+        o, s = kernel_delta_attention(
+            *a[:5], a[7], return_state=True, cfg=CHUNKED[16], a_log=a[5], dt_bias=a[6], lower_bound=lower_bound,
+            beta_is_logits=True, cu_seqlens=None if cu is None else jnp.array(cu, jnp.int32),
+        )
+        return jnp.sum(o * w) + jnp.sum(s * ws)
 
     args = (q, k, v, beta, raw, a_log, dt_bias, h0)
-    want = jax.grad(loss(SCAN), argnums=tuple(range(8)))(*args)
-    got = jax.jit(jax.grad(loss(CHUNKED[16]), argnums=tuple(range(8))))(*args)
-    assert_close(got, jax.tree.map(to64, want), 1e-5, "gradients")
+    got = jax.jit(jax.grad(f, argnums=tuple(range(8))))(*args)
+    with jax.enable_x64(True):
+        w64, ws64 = as64((w, ws))
 
+        def f64(*a):
+            o, s = kda64(*a[:5], a[7], a[5], a[6], cu_seqlens=cu, lower_bound=lower_bound, beta_is_logits=True)
+            return jnp.sum(o * w64) + jnp.sum(s * ws64)
 
-def test_per_head_decay_gradients_chunked_equal_scan():
-    q, k, v, beta, g, h0 = inputs(length=37, decay="head")
-    w, ws = normal(11, v.shape), normal(12, h0.shape)
-
-    def loss(cfg):
-        def f(*a):
-            o, s = kernel_delta_attention(*a, return_state=True, cfg=cfg)
-            return jnp.sum(o * w) + jnp.sum(s * ws)
-        return f
-
-    args = (q, k, v, beta, g, h0)
-    want = jax.grad(loss(SCAN), argnums=tuple(range(6)))(*args)
-    got = jax.jit(jax.grad(loss(CHUNKED[16]), argnums=tuple(range(6))))(*args)
-    assert got[4].shape == g.shape
-    assert_close(got, jax.tree.map(to64, want), 1e-5, "gradients")
+        want = jax.tree.map(np.asarray, jax.jit(jax.grad(f64, argnums=tuple(range(8))))(*as64(args)))
+    assert_close(got, want, TOLERANCE[jnp.float32], "gradients")
 
 
 def test_bad_inputs():

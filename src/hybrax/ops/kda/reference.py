@@ -25,29 +25,29 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+def sigmoid(x: np.ndarray, xp: Any = np) -> np.ndarray:
+    return 1.0 / (1.0 + xp.exp(-x))
 
 
-def softplus(x: np.ndarray) -> np.ndarray:
-    return np.logaddexp(0.0, x)
+def softplus(x: np.ndarray, xp: Any = np) -> np.ndarray:
+    return xp.logaddexp(0.0, x)
 
 
-def activate_gate(raw: Any, a_log: Any, dt_bias: Any = None, lower_bound: Any = None) -> np.ndarray:
+def activate_gate(raw: Any, a_log: Any, dt_bias: Any = None, lower_bound: Any = None, xp: Any = np) -> np.ndarray:
     """The fused gate on raw [B, T, HV, K] (or [B, T, HV]) inputs; a_log [HV], dt_bias [HV, K] or [HV*K].
 
     lower_bound None: -exp(a_log) * softplus(raw + dt_bias)              (Kimi Linear's released gate)
     lower_bound set:  lower_bound * sigmoid(exp(a_log) * (raw + dt_bias))  (seed 003's bounded gate)
+    `xp` is numpy (float64 here) or jax.numpy (the tests' differentiable oracle, on float64 arrays).
     """
-    raw, a_log = _f64(raw), _f64(a_log)
+    if xp is np:
+        raw, a_log, dt_bias = _f64(raw), _f64(a_log), _f64(dt_bias)
     if dt_bias is not None:
-        heads = a_log.shape[0]
-        bias = _f64(dt_bias).reshape(heads, -1)
-        raw = (raw[..., None] if raw.ndim == 3 else raw) + bias
-    scale = np.exp(a_log).reshape((-1, 1) if raw.ndim == 4 else (-1,))
+        raw = (raw[..., None] if raw.ndim == 3 else raw) + xp.reshape(dt_bias, (a_log.shape[0], -1))
+    scale = xp.exp(a_log).reshape((-1, 1) if raw.ndim == 4 else (-1,))
     if lower_bound is None:
-        return -scale * softplus(raw)
-    return float(np.asarray(lower_bound).reshape(())) * sigmoid(scale * raw)
+        return -scale * softplus(raw, xp)
+    return float(np.asarray(lower_bound).reshape(())) * sigmoid(scale * raw, xp)
 
 
 def recurrence(

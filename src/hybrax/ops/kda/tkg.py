@@ -15,6 +15,7 @@ On a GPU the step is the fused Pallas decode kernel (`pallas_decode`); elsewhere
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,8 @@ def _xla_step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound) -> tuple[
     return delta_step(S, q, k, v[:, 0].astype(jnp.float32), jax.nn.sigmoid(beta[:, 0]), decay, scale)
 
 
-def _pallas_step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound, *, interpret: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _pallas_step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound, interpret: bool = False):
     """The same step through the fused Pallas decode kernel (gate, beta, L2 norm and scale inside)."""
     batch, _, heads, dv = v.shape
     o, state = pallas_decode.fused_recurrent_decode(
@@ -65,6 +67,19 @@ def _pallas_step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound, *, int
         gate="bounded", beta_is_logits=True, interpret=interpret, **pallas_decode.launch_params(batch * heads, dv),
     )
     return o[:, 0], state
+
+
+def _pallas_step_fwd(*args):
+    return _pallas_step(*args), args[:10]
+
+
+def _pallas_step_bwd(interpret: bool, args: tuple, cotangent: tuple) -> tuple:
+    """The XLA step's gradient: the kernel updates the state in place and has no backward; decode never trains,
+    but `jax.grad` through a step still works."""
+    return jax.vjp(_xla_step, *args)[1](cotangent)
+
+
+_pallas_step.defvjp(_pallas_step_fwd, _pallas_step_bwd)
 
 
 def kda_tkg(
