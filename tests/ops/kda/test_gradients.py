@@ -54,6 +54,7 @@ IMPLS = {
     "xla_chunked64": KernelDeltaAttentionConfig("xla", "chunked", chunk_size=64),
     "xla_scan": KernelDeltaAttentionConfig("xla", "scan"),
     "pallas_chunked16": KernelDeltaAttentionConfig("pallas", "chunked", chunk_size=16),  # interpret mode here
+    "pallas_chunked128": KernelDeltaAttentionConfig("pallas", "chunked", chunk_size=128),
 }
 
 
@@ -70,6 +71,8 @@ def _tolerance(impl, case):
 # The fused gate is activated in `prepare`, the same for every implementation and chunk size: chunk 64 runs
 # the cases where the chunking matters.
 IMPL_CASES = [(case, impl) for case in CASES for impl in IMPLS if not (case == "softplus_gate" and impl.endswith("64"))]
+# The Pallas kernels' largest chunk (one chunk of 128 holds all 45 tokens; packed: sequences inside it).
+IMPL_CASES += [(case, "pallas_chunked128") for case in ("plain", "packed_empty_segment")]
 
 
 @pytest.mark.parametrize(("case", "impl"), IMPL_CASES)

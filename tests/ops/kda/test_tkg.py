@@ -150,3 +150,12 @@ def test_state_must_be_fp32():
     args[8] = args[8].astype(jnp.bfloat16)
     with pytest.raises(ValueError, match="S must be float32"):
         kda_tkg(*args)
+
+
+def test_positive_lower_bound_is_refused():
+    """A positive bound would make the gate a growth factor; kernel_delta_attention refuses it as well."""
+    args = step_inputs(65, 2, 16, 2, 8)
+    args[10] = jnp.full((1, 1), 5.0)
+    with pytest.raises(ValueError, match=r"lower_bound must be <= 0"):
+        kda_tkg(*args)
+    jax.jit(kda_tkg)(*step_inputs(65, 2, 16, 2, 8))  # traced bounds are not checked

@@ -19,9 +19,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
-from hybrax.core.validate import check_floating, check_rank, check_shape
+from hybrax.core.validate import check_floating, check_rank, check_shape, is_concrete
 from hybrax.ops.kda import pallas_decode
 from hybrax.ops.kda.gate import fused_gate
 from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
@@ -48,6 +49,9 @@ def _check(q, k, v, g, beta, a_log, dt_bias, out, S, scale, lower_bound) -> None
         check_floating(name, array)
     if jnp.result_type(S) != jnp.float32:
         raise ValueError(f"S must be float32 (the recurrent state), got {jnp.result_type(S)}")
+    if is_concrete(lower_bound) and not float(np.asarray(lower_bound).reshape(())) <= 0:
+        raise ValueError(f"lower_bound must be <= 0 (the gate is lower_bound * sigmoid(...)), got "
+                         f"{np.asarray(lower_bound).tolist()}")
 
 
 def _xla_step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound) -> tuple[jax.Array, jax.Array]:
