@@ -72,19 +72,23 @@ ARRAY_NAMES = ("q", "k", "v", "beta", "decay", "initial_state", "a_log", "dt_bia
 
 
 def make_case(seed=0, batch=B, length=T, heads=H, value_heads=HV, *, decay="channel", hard=False,
-              cu_seqlens=None, gate=None, dtype=jnp.float32):
+              cu_seqlens=None, gate=None, unnormalized=False, dtype=jnp.float32):
     """(arrays, options). decay: "channel" [B, T, HV, K] or "head" [B, T, HV] log decays; hard: a tenth of the
     tokens' gates -1000 (they forget everything); gate "softplus": decay is the raw gate input of the fused
-    gate (a_log, dt_bias [HV, K]) and beta logits. Drawn with NumPy: eager jax.random would compile
-    once per shape."""
+    gate (a_log, dt_bias [HV, K]) and beta logits; unnormalized: no L2 norm (q and k drawn near unit length,
+    so that the delta rule stays a contraction) and a softmax_scale of 0.3. Drawn with NumPy: eager jax.random
+    would compile once per shape."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
     sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
-    arrays = dict(q=normal(batch, length, heads, K), k=normal(batch, length, heads, K),
+    qk_scale = K**-0.5 if unnormalized else 1.0
+    arrays = dict(q=qk_scale * normal(batch, length, heads, K), k=qk_scale * normal(batch, length, heads, K),
                   v=normal(batch, length, value_heads, V))
     arrays = {n: jnp.asarray(x, dtype) for n, x in arrays.items()}
     shape = (batch, length, value_heads, K) if decay == "channel" else (batch, length, value_heads)
     options = {} if cu_seqlens is None else {"cu_seqlens": tuple(cu_seqlens)}
+    if unnormalized:
+        options.update(use_qk_l2norm=False, softmax_scale=0.3)
     if gate is None:
         beta, g = sigmoid(normal(batch, length, value_heads)), -np.logaddexp(0, normal(*shape))
         if hard:
@@ -107,6 +111,7 @@ CASES = {
     "packed_empty_segment": dict(batch=1, cu_seqlens=(0, 5, 5, 37)),  # and 8 tokens of no sequence
     "gqa_per_head_decay": dict(heads=1, value_heads=2, decay="head"),  # HV = 2 H
     "softplus_gate": dict(gate="softplus"),  # a_log and dt_bias through the fused gate, beta logits
+    "no_l2_norm_scale": dict(unnormalized=True),  # use_qk_l2norm=False, softmax_scale=0.3
 }
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from hybrax import recurrent_attention
+from hybrax.ops.recurrent.reference import recurrent_reference
 from tests.helpers import TOLERANCE, assert_close
 from tests.ops.recurrent.inputs import PALLAS, make_call
 
@@ -54,3 +55,9 @@ def test_declines_with_the_reason(options, reason):
     call = make_call(5, **options)
     with pytest.raises(ValueError, match=f"pallas:chunked cannot run this call: .*{reason}"):
         recurrent_attention(*call.args(), reverse=call.reverse, cfg=PALLAS)
+
+
+def test_softmax_scale():
+    call = make_call(6, gates=("g", "gk"))
+    want = recurrent_reference(*call.args(), softmax_scale=0.3)
+    assert_close(call.run(PALLAS, softmax_scale=0.3), want, TOLERANCE[jnp.float32])
