@@ -154,3 +154,53 @@ def test_traced_slots_and_bounds_still_jit():
     want = short_conv_prefill(x, pool, weight, slots, bias=bias, cu_seqlens=cu)
     got = jax.jit(lambda s, c: short_conv_prefill(x, pool, weight, s, bias=bias, cu_seqlens=c))(slots, cu)
     assert_close(got, want, TOL)
+
+
+@pytest.mark.parametrize("width, bias, activation", [(2, False, None), (3, True, None), (5, False, "silu")])
+def test_widths_without_bias_or_activation(width, bias, activation):
+    """Kernel widths other than Kimi's 4, no bias, no SiLU: prefill of a packed batch, then one decode step."""
+    weight = normal(70, (D, width))
+    bias = normal(71, (D,)) if bias else None
+    pool, slots = normal(72, (SLOTS, D, width - 1)), jnp.array([4, 0], jnp.int32)
+    x, cu_seqlens = normal(73, (1, 9, D)), jnp.array([0, 2, 9], jnp.int32)  # a prompt shorter than the kernel
+    y, new_pool = short_conv_prefill(x, pool, weight, slots, bias=bias, cu_seqlens=cu_seqlens, activation=activation)
+    for n, (start, end) in enumerate([(0, 2), (2, 9)]):
+        ref_y, ref_state = short_conv_reference(x[0, start:end], pool[slots[n]], weight, bias, activation)
+        assert_close(y[0, start:end], ref_y, TOL)
+        assert_close(new_pool[slots[n]], ref_state, TOL, "state")
+    step = normal(74, (2, D))
+    y, after = short_conv_decode(step, new_pool, weight, slots, bias=bias, activation=activation)
+    for n in range(2):
+        ref_y, ref_state = short_conv_reference(step[n:n + 1], new_pool[slots[n]], weight, bias, activation)
+        assert_close(y[n], ref_y[0], TOL)
+        assert_close(after[slots[n]], ref_state, TOL, "state")
+
+
+def test_prefill_gradients_match_float64():
+    """jax.grad of a packed prefill (a padded sequence among them) w.r.t. x, the pool, weight and bias, against
+    autodiff of the float64 reference (jax.numpy) per sequence, with the pool's rows read and written both."""
+    weight, bias = conv_params(80)
+    pool, slots = normal(81, (SLOTS, D, W - 1)), [3, -1, 1]
+    x, bounds = normal(82, (1, 11, D)), [0, 6, 8, 11]
+
+    def loss_of(y, new_pool):
+        return jnp.sum(jnp.sin(y)) + jnp.sum(new_pool ** 2)
+
+    def loss(x, pool, weight, bias):
+        y, new_pool = short_conv_prefill(x, pool, weight, jnp.array(slots, jnp.int32), bias=bias,
+                                         cu_seqlens=jnp.array(bounds, jnp.int32))
+        return loss_of(y, new_pool)
+
+    def oracle_loss(x, pool, weight, bias):
+        outputs, new_pool = [], pool
+        for slot, start, end in zip(slots, bounds[:-1], bounds[1:]):
+            y, state = short_conv_reference(x[0, start:end], pool[max(slot, 0)], weight, bias, xp=jnp)
+            outputs.append(y if slot >= 0 else jnp.zeros_like(y))  # a padded sequence outputs zeros, writes nothing
+            new_pool = new_pool.at[slot].set(state) if slot >= 0 else new_pool
+        return loss_of(jnp.concatenate(outputs), new_pool)
+
+    got = jax.grad(loss, argnums=range(4))(x, pool, weight, bias)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(a), jnp.float64) for a in (x, pool, weight, bias)]
+        want = [np.asarray(g) for g in jax.grad(oracle_loss, argnums=range(4))(*wide)]
+    assert_close(got, want, TOL, "gradient")

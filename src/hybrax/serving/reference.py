@@ -8,16 +8,19 @@ import numpy as np
 
 
 def short_conv_reference(
-    x: Any, history: Any, weight: Any, bias: Any = None, activation: str | None = "silu"
+    x: Any, history: Any, weight: Any, bias: Any = None, activation: str | None = "silu", xp: Any = np
 ) -> tuple[np.ndarray, np.ndarray]:
     """One sequence: x [T, D], history [D, W - 1] (its inputs before x, oldest first), weight [D, W].
-    Returns y [T, D] and the new history (the last W - 1 inputs)."""
-    x, history, weight = (np.asarray(a, np.float64) for a in (x, history, weight))
-    taps = weight.shape[1] - 1
-    full = np.concatenate([history.T, x], axis=0)
-    y = np.array([np.sum(full[t:t + taps + 1].T * weight, axis=1) for t in range(x.shape[0])]).reshape(x.shape)
+    Returns y [T, D] and the new history (the last W - 1 inputs). `xp` is numpy (float64 here) or jax.numpy
+    (the tests' differentiable oracle, on float64 arrays)."""
+    if xp is np:
+        x, history, weight, bias = (None if a is None else np.asarray(a, np.float64)
+                                    for a in (x, history, weight, bias))
+    taps, length = weight.shape[1] - 1, x.shape[0]
+    full = xp.concatenate([history.T, x], axis=0)
+    y = sum(full[tap:tap + length] * weight[:, tap] for tap in range(taps + 1))  # y_t = sum_j full[t + j] w_j
     if bias is not None:
-        y = y + np.asarray(bias, np.float64)
+        y = y + bias
     if activation == "silu":
-        y = y / (1.0 + np.exp(-y))
+        y = y / (1.0 + xp.exp(-y))
     return y, full[len(full) - taps:].T
