@@ -221,7 +221,7 @@ def single_token_case(gate):
 def test_single_token_paths_match_float64_oracle(impl, gate):
     """kernel_delta_attention's T == 1 paths: output and final state, and the gradients w.r.t. every input
     (q, k, v, beta, gate, initial state, a_log, dt_bias) of a loss of both, against float64 autodiff of the
-    oracle (test_gradients.kda64). pallas:decode's backward is the XLA step's VJP: this checks its wiring."""
+    oracle (oracle.kda64). pallas:decode's backward is the XLA step's VJP: this checks its wiring."""
     arrays, options = single_token_case(gate)
     weights = loss_weights(arrays)
     want_outputs, want = oracle_outputs_and_gradients(arrays, options, weights)
@@ -230,6 +230,18 @@ def test_single_token_paths_match_float64_oracle(impl, gate):
     assert got.keys() == want.keys()
     for name in got:
         assert_close(got[name], want[name], TOLERANCE[jnp.float32], f"d{name} {gate}/{impl}")
+
+
+@pytest.mark.parametrize("impl", SINGLE_TOKEN)
+def test_single_token_paths_under_vmap(impl):
+    """vmapped over a leading axis (the kernel gets a batch dimension of its grid) against each example alone."""
+    arrays, options = single_token_case("bounded")
+    stacked = {name: jnp.stack([x, 0.5 * x]) if name != "a_log" else jnp.stack([x, x]) for name, x in arrays.items()}
+    run = ours(SINGLE_TOKEN[impl], options)
+    batched = jax.jit(jax.vmap(run))(stacked)
+    for i in range(2):
+        want = run({name: x[i] for name, x in stacked.items()})
+        assert_close(jax.tree.map(lambda x: x[i], batched), want, 1e-6, f"example {i}")
 
 
 def test_unsupported_head_sizes_are_declined():

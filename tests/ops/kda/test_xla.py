@@ -175,3 +175,18 @@ def test_packed_rows_round_trip_and_gradients():
     cotangent = normal(2, x.shape)
     expected = jax.vjp(plain(layout.destination), padded)[1](cotangent)[0]
     assert jnp.array_equal(jax.vjp(lambda y: from_packed_rows(y, layout), padded)[1](cotangent)[0], expected)
+
+
+def test_one_token_bf16_and_vmap():
+    """The T = 1 path (pallas:decode's: test_pallas_decode.py): bf16 inputs against the float64 reference, and
+    vmapped over a leading axis."""
+    cfg = KernelDeltaAttentionConfig("xla", "single_step")
+    args = inputs(length=1, dtype=jnp.bfloat16)
+    o, s = kernel_delta_attention(*args, return_state=True, cfg=cfg)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    assert_close((o, s), reference.kda_reference(*(to64(x) for x in args)), TOLERANCE[jnp.bfloat16])
+    stacked = [jnp.stack([x, x * 0.5]) for x in inputs(length=1)]
+    batched = jax.vmap(lambda *a: kernel_delta_attention(*a, return_state=True, cfg=cfg))(*stacked)
+    for i in range(2):
+        want = reference.kda_reference(*(to64(x[i]) for x in stacked))
+        assert_close(jax.tree.map(lambda x: x[i], batched), want, TOLERANCE[jnp.float32], f"example {i}")
