@@ -16,30 +16,19 @@ calls from the host. `--smoke` runs tiny shapes on the CPU.
 from __future__ import annotations
 
 import argparse
-import functools
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hybrax import attention, kernel_delta_attention, recurrent_attention
-from hybrax.parallel import attention_context_parallel, kda_context_parallel, recurrent_context_parallel
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kda_chunk_gpu import time_jax  # noqa: E402
 
-
-def time_ms(fn, *args, reps: int = 10, rounds: int = 5) -> float:
-    """Median over rounds of the mean time of `reps` back-to-back calls (ms)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / reps * 1e3)
-    return statistics.median(times)
+from hybrax import attention, kernel_delta_attention, recurrent_attention  # noqa: E402
+from hybrax.parallel import attention_context_parallel, kda_context_parallel, recurrent_context_parallel  # noqa: E402
 
 
 def inputs(length: int, heads: int, dim: int, seed: int = 0):
@@ -96,7 +85,7 @@ def row(name: str, length: int, heads: int, dim: int, shards: int) -> dict:
         shard, shard_args = last_shard_attention(shards), args
     for label, fn, fn_args in (("whole", whole, args), ("shard", shard, shard_args)):
         forward, grad = forward_and_grad(fn, argnums)
-        result[f"{label}_fwd"], result[f"{label}_bwd"] = time_ms(forward, *fn_args), time_ms(grad, *fn_args)
+        result[f"{label}_fwd"], result[f"{label}_bwd"] = time_jax(forward, *fn_args), time_jax(grad, *fn_args)
     for part in ("fwd", "bwd"):
         result[f"split_{part}"] = result[f"whole_{part}"] / (shards * result[f"shard_{part}"])
     if jax.device_count() >= shards:
@@ -106,7 +95,7 @@ def row(name: str, length: int, heads: int, dim: int, shards: int) -> dict:
         call = jax.shard_map(mapped, mesh=mesh, in_specs=specs, out_specs=time_axis)
         placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
         forward, grad = forward_and_grad(call, argnums)
-        result["cp_fwd"], result["cp_bwd"] = time_ms(forward, *placed), time_ms(grad, *placed)
+        result["cp_fwd"], result["cp_bwd"] = time_jax(forward, *placed), time_jax(grad, *placed)
         result["speedup_fwd"] = result["whole_fwd"] / result["cp_fwd"]
         result["speedup_bwd"] = result["whole_bwd"] / result["cp_bwd"]
     return result
