@@ -132,6 +132,17 @@ BAD = {
     "soft cap": (dict(logits_soft_cap=0.0), "logits_soft_cap must be a number > 0"),
     "dtype": (dict(dtype=jnp.int32), "dtype must be a floating dtype"),
     "init_bias": (dict(init_bias=lambda: jnp.zeros((B, H, TQ, TQ))), r"init_bias\(\) must have shape"),
+    # MaskInfo built directly skips its constructors' checks: prepare checks the fields again.
+    "float segment ids": (dict(mask_info=MaskInfo(jnp.zeros((B, TQ)), jnp.zeros((B, TK)))),
+                          "mask_info.q_segment_ids must be an integer array"),
+    "integer mask": (dict(mask_info=MaskInfo(attention_mask=jnp.ones((B, 1, TQ, TK), jnp.int32))),
+                     "mask_info.attention_mask must be a boolean array"),
+    "dropout rng shape": (dict(dropout_prob=0.1, deterministic=False, dropout_rng=jnp.zeros((3,), jnp.uint32)),
+                          r"dropout_rng must be a key .* got shape \[3\]"),
+    "dropout keys": (dict(dropout_prob=0.1, deterministic=False, dropout_rng=jax.random.split(jax.random.key(0))),
+                     r"dropout_rng must be a single key, got keys of shape \[2\]"),
+    "head dim 0": (dict(query=jnp.zeros((B, TQ, H, 0)), key=jnp.zeros((B, TK, HKV, 0))),
+                   r"need head dims of at least 1"),
 }
 
 

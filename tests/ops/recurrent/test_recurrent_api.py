@@ -64,8 +64,10 @@ def _bad(**changes):
     (dict(gv=normal(3, (2, 5, 4, 8))), "gv must have shape"),
     (dict(initial_state=normal(3, (2, 4, 6, 8))), r"initial_state must have shape .*\[2, 4, 8, 6\]"),
     (dict(cu_seqlens=jnp.array([0, 5], jnp.int32)), "cu_seqlens packs sequences into batch 1"),
-    (dict(query=normal(0, (1, 0, 4, 8)), key=normal(1, (1, 0, 2, 8)), value=normal(2, (1, 0, 2, 6))), "seq_len >= 1"),
+    (dict(query=normal(0, (1, 0, 4, 8)), key=normal(1, (1, 0, 2, 8)), value=normal(2, (1, 0, 2, 6))),
+     "seq_len and head_dim >= 1"),
     (dict(query=jnp.ones((2, 5, 4, 8), jnp.int32)), "query must be a floating-point array"),
+    (dict(query=normal(0, (2, 5, 4, 0)), key=normal(1, (2, 5, 2, 0))), "head_dim >= 1"),
 ])
 def test_bad_shapes_name_the_argument(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -92,6 +94,12 @@ def test_bad_cu_seqlens(cu_seqlens, message):
 def test_packed_initial_state_is_per_sequence():
     with pytest.raises(ValueError, match=r"initial_state must have shape \[num_seqs.*\[3, 4, 8, 6\]"):
         recurrent_attention(*_packed(jnp.array([0, 2, 2, 5], jnp.int32), normal(3, (1, 4, 8, 6))))
+
+
+@pytest.mark.parametrize("scale", [jnp.ones(3), "0.3", float("nan")])
+def test_softmax_scale_must_be_a_number(scale):
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number or None"):
+        recurrent_attention(*_bad(), softmax_scale=scale)
 
 
 def test_chunk_size_must_be_a_power_of_two():

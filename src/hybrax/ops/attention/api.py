@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, static_field
-from hybrax.core.validate import check_floating, check_rank, describe
+from hybrax.core.validate import check_floating, check_integer, check_rank, describe
 from hybrax.ops.attention.mask import MaskInfo
 
 OP_ID = "attention"
@@ -87,6 +87,8 @@ def _check_qkv(query: Any, key: Any, value: Any) -> None:
     _check_same("head dims (dim 3) of query and key", ("query", "key"), (q[3], k[3]), (query, key))
     if q[1] < 1 or k[1] < 1:
         raise ValueError(f"query {describe(q)} and key {describe(k)} need at least one position each")
+    if q[3] < 1 or jnp.shape(value)[3] < 1:
+        raise ValueError(f"query {describe(q)} and value {describe(jnp.shape(value))} need head dims of at least 1")
     if k[2] < 1 or q[2] % k[2]:
         raise ValueError(
             f"num_heads of query {describe(q)} must be a multiple of num_kv_heads of key {describe(k)}"
@@ -125,6 +127,7 @@ def _check_segments(mask_info: MaskInfo, batch: int, tq: int, tk: int) -> None:
             raise ValueError(
                 f"mask_info.{name} must have shape {layout} = [{batch}, {length}], got {describe(jnp.shape(ids))}"
             )
+        check_integer(f"mask_info.{name}", ids)  # a MaskInfo built directly skipped from_segments' checks
 
 
 def _check_mask_info(mask_info: Any, q_shape: Sequence[int], k_shape: Sequence[int]) -> None:
@@ -137,6 +140,9 @@ def _check_mask_info(mask_info: Any, q_shape: Sequence[int], k_shape: Sequence[i
     if mask_info.attention_mask is not None:
         _check_pairwise("mask_info.attention_mask", mask_info.attention_mask, q_shape, k_shape,
                         "[batch | 1, num_heads | num_kv_heads | 1, q_len, kv_len]")
+        if jnp.result_type(mask_info.attention_mask) != jnp.bool_:
+            raise ValueError(f"mask_info.attention_mask must be a boolean array (True keeps), got dtype "
+                             f"{jnp.result_type(mask_info.attention_mask)}")
 
 
 def _window_bounds(sliding_window: Any, causal: bool) -> tuple[int | None, int | None]:
@@ -193,7 +199,12 @@ def _split_heads(array: Any, num_kv_heads: int, group: int) -> jax.Array:
 def _dropout_seed(dropout_rng: Any) -> jax.Array:
     """Two uint32 words drawn from the key: the seed of the counter-based dropout hash."""
     if not jnp.issubdtype(jnp.result_type(dropout_rng), jax.dtypes.prng_key):
+        if jnp.shape(dropout_rng) != (2,):
+            raise ValueError(f"dropout_rng must be a key (jax.random.key) or raw key data of shape [2], got shape "
+                             f"{describe(jnp.shape(dropout_rng))}")
         dropout_rng = jax.random.wrap_key_data(jnp.asarray(dropout_rng, jnp.uint32))
+    elif jnp.shape(dropout_rng) != ():
+        raise ValueError(f"dropout_rng must be a single key, got keys of shape {describe(jnp.shape(dropout_rng))}")
     return jax.random.bits(dropout_rng, (2,), jnp.uint32)
 
 

@@ -23,6 +23,7 @@ from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclas
 from hybrax.core.kernel import Invocation
 from hybrax.core.validate import (
     check_divides,
+    check_number,
     check_floating,
     check_integer,
     check_rank,
@@ -144,8 +145,8 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
             check_floating(name, array)
             check_rank(name, array, 4, "[batch, seq_len, heads, head_dim]")
         batch, seq_len, num_heads, key_dim = jnp.shape(query)
-        if seq_len < 1:
-            raise ValueError(f"query must have seq_len >= 1, got shape {describe(jnp.shape(query))}")
+        if seq_len < 1 or key_dim < 1:
+            raise ValueError(f"query must have seq_len and head_dim >= 1, got shape {describe(jnp.shape(query))}")
         check_shape("key", key, (batch, seq_len, None, key_dim), "[batch, seq_len, num_kv_heads, head_dim]")
         num_kv_heads = jnp.shape(key)[2]
         check_divides("num_kv_heads of key", num_kv_heads, "num_heads of query", num_heads)
@@ -169,7 +170,8 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
             g_value=gv,
             initial_state=initial_state,
             cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32),
-            scale=float(key_dim**-0.5 if softmax_scale is None else softmax_scale),
+            scale=key_dim**-0.5 if softmax_scale is None else check_number(
+                "softmax_scale", softmax_scale, "a finite number or None", lambda scale: True),
             reverse=bool(reverse),
             return_state=bool(return_state),
         )
