@@ -5,6 +5,7 @@ reference and time it. `python -m hybrax.demo` prints one table.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -167,8 +168,55 @@ def kda_cases() -> list[Case]:
     return cases
 
 
+def context_parallel_cases() -> list[Case]:
+    """One packed batch of sequences split along time over every device (hybrax.parallel, inside shard_map):
+    KDA, gated linear attention and causal attention against the float64 reference of the whole sequence."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from hybrax.ops.attention.reference import attention as attention_reference
+    from hybrax.ops.kda.reference import kda_reference
+    from hybrax.ops.recurrent.reference import recurrent_reference
+    from hybrax.parallel import attention_context_parallel, kda_context_parallel, recurrent_context_parallel
+
+    rng = np.random.default_rng(0)
+    shards, seq_len, heads, dim = jax.device_count(), 256, 4, 64
+    mesh, time_axis = jax.make_mesh((shards,), ("cp",)), P(None, "cp")
+    cu_seqlens = np.array([0, 40, 40, 200, 256], np.int32)  # sequences cross the shards' boundaries
+
+    def normal(*shape, scale=1.0):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    q, k, v = (normal(1, seq_len, heads, dim) for _ in range(3))
+    beta = 1 / (1 + np.exp(-normal(1, seq_len, heads)))
+    decay = (-np.logaddexp(0.0, -(normal(1, seq_len, heads, dim) + 3.0))).astype(np.float32)
+    initial = normal(4, heads, dim, dim, scale=0.5)
+
+    def sharded(fn, tokens):
+        mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(time_axis,) * len(tokens), out_specs=time_axis))
+        placed = [jax.device_put(x, NamedSharding(mesh, time_axis)) for x in tokens]
+        return lambda: mapped(*placed)
+
+    shape = f"packed {shards} shards 1x{seq_len}x{heads}x{dim}"
+    return [
+        Case("kda_context_parallel", "auto", shape,
+             run=sharded(lambda *a: kda_context_parallel(*a, initial, axis_name="cp", cu_seqlens=cu_seqlens),
+                         (q, k, v, beta, decay)),
+             reference=lambda: kda_reference(q, k, v, beta, decay, initial, cu_seqlens=cu_seqlens)[0]),
+        Case("recurrent_context_parallel", "auto", shape,
+             run=sharded(lambda q, k, v, gk: recurrent_context_parallel(
+                 q, k, v, None, None, gk, None, initial, axis_name="cp", cu_seqlens=cu_seqlens), (q, k, v, decay)),
+             reference=lambda: recurrent_reference(q, k, v, None, None, decay, None, initial, cu_seqlens)[0]),
+        Case("attention_context_parallel", "auto", f"causal {shards} shards 1x{seq_len}x{heads}x{dim}",
+             run=sharded(lambda *a: attention_context_parallel(*a, axis_name="cp", causal=True), (q, k, v)),
+             reference=lambda: attention_reference(q, k, v, causal=True)),
+    ]
+
+
 def main() -> None:
-    cases = attention_cases() + recurrent_cases() + kda_cases()
+    if os.environ.get("JAX_PLATFORMS") == "cpu":  # devices for context parallelism (before JAX starts its backend)
+        jax.config.update("jax_num_cpu_devices", 4)
+    cases = attention_cases() + recurrent_cases() + kda_cases() + context_parallel_cases()
     print(f"hybrax demo on {jax.devices()[0].device_kind} (jax {jax.__version__})")
     header = f"{'operation':<26} {'implementation':<22} {'shape':<28} {'rel. error':>10} {'time ms':>9}"
     print(header)
