@@ -15,7 +15,7 @@ GPU machine and has to stay small):
         --platform manylinux_2_27_x86_64 --only-binary=:all: -d .triton triton==3.6.0
     .venv/bin/python -m pip install -q --no-deps --target .triton/site .triton/triton-3.6.0-*.whl
     PYTHONPATH=src .venv/bin/python scripts/triton_shared_memory.py --triton .triton/site [--dtype fp32 --dim 256]
-        [--op decode | --op attention]
+        [--op decode | --op attention] [--value-dim 256]
 """
 
 from __future__ import annotations
@@ -115,13 +115,17 @@ def triton_calls(text: str, directory: str) -> list[tuple[str, int, int, str]]:
     return calls
 
 
-def kda_calls(dtype, dim: int, directory: str, chunk: int = 64, packed: bool = False) -> list[tuple]:
+def kda_calls(dtype, dim: int, directory: str, chunk: int = 64, packed: bool = False,
+              value_dim: int | None = None) -> list[tuple]:
     """The Triton calls of the chunked forward, then of the gradient (its recomputed forward and backward);
-    with `packed`, of 100 packed tokens of 3 sequences in 3 padded chunks (the forward reads them in place)."""
+    with `packed`, of 100 packed tokens of 3 sequences in 3 padded chunks (the forward reads them in place).
+    value_dim: V when it differs from K (context parallelism's pass widens V by K)."""
     batch, length, heads, sequences = 1, 100 if packed else 128, 2, 3 if packed else 1
+    value_dim = value_dim or dim
     tokens = (batch, length, heads, dim)
-    shapes = [(tokens, dtype)] * 3 + [(tokens, jnp.float32), ((batch, length, heads), jnp.float32),
-                                      ((sequences, heads, dim, dim), jnp.float32)]
+    shapes = [(tokens, dtype)] * 2 + [((batch, length, heads, value_dim), dtype), (tokens, jnp.float32),
+                                      ((batch, length, heads), jnp.float32),
+                                      ((sequences, heads, dim, value_dim), jnp.float32)]
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
     n_chunks = 3  # segments' three arrays, the gathers' two maps, PackedChunks' two arrays
     sizes = (n_chunks,) * 3 + (n_chunks * chunk, length) + (n_chunks,) * 2
@@ -185,6 +189,7 @@ def main() -> None:
     parser.add_argument("--triton", required=True, help="folder holding upstream Triton (a wheel's contents)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--dim", type=int, default=128, help="K = V")
+    parser.add_argument("--value-dim", type=int, help="chunked: V when it differs from K")
     parser.add_argument("--op", default="chunked", choices=["chunked", "decode", "attention"])
     parser.add_argument("--chunk", type=int, default=64, help="the chunked path's chunk size")
     parser.add_argument("--packed", action="store_true", help="packed sequences (cu_seqlens), read in place")
@@ -193,7 +198,7 @@ def main() -> None:
     dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.dtype]
     with tempfile.TemporaryDirectory() as directory:
         if args.op == "chunked":
-            calls = kda_calls(dtype, args.dim, directory, args.chunk, args.packed)
+            calls = kda_calls(dtype, args.dim, directory, args.chunk, args.packed, args.value_dim)
         elif args.op == "decode":
             calls = decode_calls(dtype, args.dim, directory)
         else:
@@ -202,7 +207,8 @@ def main() -> None:
             [sys.executable, "-c", COMPILE], input=json.dumps(calls), capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONPATH": args.triton},
         )
-    print(f"{args.op}, {args.dtype}, head dims {args.dim}; by upstream Triton for sm_90: shared memory (bytes),")
+    dims = args.dim if args.value_dim is None else f"{args.dim} / {args.value_dim}"
+    print(f"{args.op}, {args.dtype}, head dims {dims}; by upstream Triton for sm_90: shared memory (bytes),")
     print("registers per thread, register spills per thread (bytes stored / loaded, static), programs resident per SM")
     for (name, stages, warps, _), usage in zip(calls, json.loads(compiled.stdout)):
         over = "  OVER the H200's limit" if usage["shared"] > H200_SHARED_MEMORY else ""
