@@ -92,12 +92,18 @@ def test_fused_gate_bf16_and_no_initial_state():
     assert_close(got, jax.tree.map(to64, want), TOLERANCE[jnp.bfloat16])
 
 
-@pytest.mark.parametrize("platform", ["xla", "pallas"])
-def test_packed_sequences_across_shards(platform):
-    """Shards of 12 tokens; sequence 2 spans shards 0-2, sequence 3 shards 2-3, sequence 1 is empty and the last
-    token belongs to none: outputs, final states (N of them) and gradients as the whole packed sequence."""
+@pytest.mark.parametrize("platform, bounds", [
+    ("xla", (0, 5, 5, 30, 47)), ("pallas", (0, 5, 5, 30, 47)),
+    ("xla", (0, 0, 12, 24, 48)),  # boundaries on the shards' (and an empty first sequence)
+    ("xla", (0, 48, 48, 48, 48)),  # one sequence over every shard, then empty ones ending at the end
+    ("xla", (0, 1, 2, 3, 20)),  # a shard of no sequence's tokens (past the end) after short ones
+])
+def test_packed_sequences_across_shards(platform, bounds):
+    """Shards of 12 tokens. (0, 5, 5, 30, 47): sequence 2 spans shards 0-2, sequence 3 shards 2-3, sequence 1 is
+    empty and the last token belongs to none. Outputs, final states (N of them) and gradients as the whole packed
+    sequence."""
     q, k, v, beta, g, _ = (x[:1] for x in inputs(48))
-    cu_seqlens = jnp.array([0, 5, 5, 30, 47], jnp.int32)
+    cu_seqlens = jnp.array(bounds, jnp.int32)
     initial = normal(9, (4, HV, K, V), scale=0.5)
     args = (q, k, v, beta, g, initial)
 
@@ -225,10 +231,11 @@ def test_attention_lowers_for_h200(monkeypatch):
         assert f"tensor<1x{(shard + 1) * 256}x2x128xbf16>" in text
 
 
-def test_recurrent_packed_sequences_across_shards():
+@pytest.mark.parametrize("bounds", [(0, 5, 5, 30, 48), (0, 0, 12, 24, 48), (0, 48, 48, 48, 48)])
+def test_recurrent_packed_sequences_across_shards(bounds):
     """GLA with every gate, packed as the KDA test (but to the end: recurrent_attention's sequences cover it)."""
     q, k, v, g, g_gamma, gk, gv, _ = (x[:1] if x.ndim > 1 else x for x in recurrent_inputs(48))
-    cu_seqlens = jnp.array([0, 5, 5, 30, 48], jnp.int32)
+    cu_seqlens = jnp.array(bounds, jnp.int32)
     initial = normal(17, (4, 2, K, V), scale=0.5)
     args = (q, k, v, g, gk, gv, initial)
 
