@@ -215,13 +215,14 @@ def recurrent_context_parallel(
         query, key, value, g, g_gamma, gk, gv, initial_state, local_cu, softmax_scale=softmax_scale, reverse=reverse
     )
     batch, length, heads, dk = problem.query.shape
-    if packed is not None:  # the one sequence the carried state reaches starts from zeros here
+    local_initial = None  # the pass's initial states: zeros, or in packed shards the sequences' own
+    if packed is not None:  # ... but zeros for the one sequence the carried state reaches
         initial = jnp.zeros((local_cu.shape[0] - 1, heads, dk, value.shape[3])) if initial_state is None else (
             initial_state.astype(jnp.float32))
         carried_in = ((jnp.arange(initial.shape[0]) == packed.first) & packed.continues)[:, None, None, None]
-        initial_state = vary_like(jnp.where(carried_in, 0.0, initial), query, key, value)  # as its cotangent will
+        local_initial = vary_like(jnp.where(carried_in, 0.0, initial), query, key, value)  # as its cotangent will
     local_out, local_state = recurrent_attention(
-        query, key, value, g, g_gamma, gk, gv, None if packed is None else initial_state, local_cu,
+        query, key, value, g, g_gamma, gk, gv, local_initial, local_cu,
         softmax_scale=softmax_scale, reverse=reverse, return_state=True, platform=platform, cfg=cfg,
     )
     log_key = key_log_decay(problem, jnp.float32)
