@@ -39,16 +39,24 @@ def lower_for_h200(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def pretend_h200_cudnn_limits(monkeypatch) -> None:
+    """An H200's cuDNN limits wherever the tests run: its compute capability (jax.nn asks the CUDA plugin; the
+    CPU has none) and the head dims cuDNN takes there."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    from hybrax.ops.attention import cudnn
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)
+
+
 def pretend_h200_with_cudnn(monkeypatch) -> None:
-    """What an H200 would answer, wherever the tests run: the runtime device (read when the executor resolves a
-    traced call), cuDNN's version and compute capability (jax.nn asks the CUDA plugin before lowering; the CPU
-    has none) and the head dims cuDNN takes there."""
+    """What an H200 would answer, wherever the tests run: its cuDNN limits, the runtime device (read when the
+    executor resolves a traced call) and cuDNN's version (jax.nn asks before lowering)."""
     from jax._src.cudnn import fused_attention_stablehlo
 
     from hybrax.core import kernel
-    from hybrax.ops.attention import cudnn
 
+    pretend_h200_cudnn_limits(monkeypatch)
     monkeypatch.setattr(kernel, "runtime_device", lambda: "gpu")
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
-    monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
-    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)

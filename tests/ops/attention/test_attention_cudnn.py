@@ -8,13 +8,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.cudnn import fused_attention_stablehlo
 
 from hybrax import AttentionConfig, MaskInfo, attention
 from hybrax.core import Invocation
 from hybrax.ops.attention import cudnn
 from hybrax.ops.attention.api import OP_ID, Attention
-from tests.helpers import TOLERANCE, assert_close, pretend_h200_with_cudnn
+from tests.helpers import TOLERANCE, assert_close, pretend_h200_cudnn_limits, pretend_h200_with_cudnn
 from tests.ops.attention.inputs import differentiable_arrays, make_call, normal, reference_grads
 
 # Calls cuDNN takes: heads, windows and scale; q_len == kv_len where a window or causality applies.
@@ -44,8 +43,7 @@ def _problem(dtype=jnp.bfloat16, **options):
 @pytest.fixture(autouse=True)
 def hopper(monkeypatch):
     """An H200's cuDNN limits wherever these tests run (jax.devices() is a CPU here)."""
-    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)
-    monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
+    pretend_h200_cudnn_limits(monkeypatch)
 
 
 def _invocation(problem, device="gpu", platform="auto") -> Invocation:
