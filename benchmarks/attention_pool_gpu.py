@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import print_table  # noqa: E402
+from timing import copy_bandwidth, print_table  # noqa: E402
 
 from hybrax.core import relative_error  # noqa: E402
 from hybrax.serving import AttentionDecodePoolConfig, attention_decode_pool  # noqa: E402
@@ -66,18 +66,6 @@ def time_loop(cfg: AttentionDecodePoolConfig, inputs: tuple, steps: int) -> floa
     start = time.perf_counter()
     jax.block_until_ready(loop(k_pool, v_pool))
     return (time.perf_counter() - start) / steps * 1e6
-
-
-def copy_bandwidth(size_bytes: int = 2**30) -> float:
-    """Bytes per second of a device-to-device copy (read and write), the ceiling of any kernel here."""
-    x = jnp.ones((size_bytes // 4,), jnp.float32)
-    copy = jax.jit(lambda x: x + 0)
-    jax.block_until_ready(copy(x))
-    start = time.perf_counter()
-    for _ in range(10):
-        y = copy(x)
-    jax.block_until_ready(y)
-    return 2 * size_bytes * 10 / (time.perf_counter() - start)
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import print_table  # noqa: E402
+from timing import copy_bandwidth, print_table  # noqa: E402
 
 from hybrax import kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_decode import fused_recurrent_decode  # noqa: E402
@@ -172,16 +172,6 @@ class Fla:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) * 1e-3 / steps)
         return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read plus written per second by a 1 GiB device-to-device copy (torch, do_bench median)."""
-    import torch
-    from triton.testing import do_bench
-
-    x = torch.randn(2**28, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 4 / (do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median") * 1e-3)
 
 
 def check(batch, heads, inputs, state, fla, launch, v_first: bool) -> dict:

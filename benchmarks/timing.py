@@ -31,6 +31,16 @@ def median_ms(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float
     return statistics.median(times) * 1e3
 
 
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a 1 GiB device-to-device copy (torch, do_bench median)."""
+    import torch
+    from triton.testing import do_bench
+
+    x = torch.randn(2**28, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / (do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median") * 1e-3)
+
+
 # Triton's autotuning results (`<cache>/<hash>/<kernel>.autotune.json`, which fla's kernels write since
 # FLA_CACHE_RESULTS defaults to on), kept from earlier GPU runs. Seeded into a fresh Triton cache, they
 # spare fla its autotuning on a new machine (~100 s per head count and direction on the H200: most of a

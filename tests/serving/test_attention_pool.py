@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from hybrax.ops.attention import reference
+from hybrax.core import Invocation
 from hybrax.serving import AttentionDecodePoolConfig, attention_decode_pool
+from hybrax.serving.attention_pool import OP_ID, AttentionDecodePool
 from tests.helpers import TOLERANCE, assert_close, normal
 
 SLOTS, MAX_LEN, HEADS, KV_HEADS, D, DV = 5, 32, 4, 2, 16, 32
@@ -98,6 +100,18 @@ def test_in_place_kernel_names_what_it_declines():
     with pytest.raises(ValueError, match="pallas:in_place: the in-place kernel needs a max_len that is a multiple "
                                          "of 16, got 30"):
         attention_decode_pool(*args, platform="pallas")
+
+
+@pytest.mark.parametrize("device, max_len, want", [("gpu", 32, ["pallas:in_place", "xla:gather"]),
+                                                   ("gpu", 30, ["xla:gather"]), ("cpu", 32, ["xla:gather"])])
+def test_auto_reads_in_place_on_gpus_where_the_kernel_fits(device, max_len, want):
+    k_pool, v_pool = _pools(0)
+    q, k, v = _tokens(1, 2, 1)
+    kernel = AttentionDecodePool()
+    problem = kernel.prepare(q, k, v, k_pool[:, :max_len], v_pool[:, :max_len], jnp.array([0, 1], jnp.int32),
+                             jnp.zeros((2,), jnp.int32))
+    invocation = Invocation(OP_ID, kernel.version, problem, "auto", device, "NVIDIA H200")
+    assert [impl.name for impl in kernel.implementations(invocation)] == want
 
 
 BAD = {

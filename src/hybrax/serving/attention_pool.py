@@ -211,8 +211,9 @@ def _in_place_heuristic(inv: Invocation) -> AttentionDecodePoolConfig:
     return AttentionDecodePoolConfig(block_k=block_k, num_splits=max(1, min(-(-264 // programs), max_len // block_k)))
 
 
-# devices=(): `auto` never picks it until a GPU has checked and timed it (platform="pallas" runs it anywhere).
-@register(OP_ID, "pallas", "in_place", priority=2, devices=(), supports=_in_place_reason,
+# `auto` picks it on GPUs: on the H200 it matched the gather and ran 1.4x (B = 1) to 5.9x (B = 64, 32k tokens)
+# faster (BENCHMARKS.md "Attention decode over a KV cache pool"). On the CPU it would run interpreted.
+@register(OP_ID, "pallas", "in_place", priority=2, devices=("gpu",), supports=_in_place_reason,
           heuristic_cfg=_in_place_heuristic, gradient_of=_gather)
 def _in_place(p: AttentionPoolProblem, cfg: AttentionDecodePoolConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     real, _, k_pool, v_pool = _new_tokens(p)
