@@ -15,7 +15,7 @@ would not see themselves).
 The XLA implementation ("xla:gather") runs `hybrax.attention` on the gathered rows with a mask of each token's
 visible positions: it copies the requests' rows once per step. The Pallas one ("pallas:in_place",
 `ops/attention/pallas_pool_decode.py`) reads them in place by slot, flash decoding over splits of each row;
-opt-in with platform="pallas" until it is timed on a GPU. It needs power-of-two head dims from 16 to 256 and a
+`auto` picks it on GPUs, where it is faster (BENCHMARKS.md). It needs power-of-two head dims from 16 to 256 and a
 max_len that its key blocks divide (a multiple of 16).
 """
 
