@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrax.ops.attention import reference
 from hybrax.core import Invocation
+from hybrax.ops.attention import reference
 from hybrax.serving import AttentionDecodePoolConfig, attention_decode_pool
 from hybrax.serving.attention_pool import OP_ID, AttentionDecodePool
 from tests.helpers import TOLERANCE, assert_close, normal
