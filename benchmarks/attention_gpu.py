@@ -2,11 +2,15 @@
 beside jax.nn.dot_product_attention (XLA, and cuDNN for bf16). Causal, B=1, H=8, D=64, then 32 query heads on 8
 kv heads of 128: plain, with a 1024-token window, and as four packed sequences; fwd and fwd+bwd.
 
-    PYTHONPATH=src python3 benchmarks/attention_gpu.py
+    PYTHONPATH=src python3 benchmarks/attention_gpu.py [--cases 0,5]
+
+Each row prints as soon as it is timed (a run cut off at the GPU machine's limit keeps what it measured); the
+tables follow per case.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import pathlib
 import sys
@@ -29,7 +33,7 @@ def _timed(name, forward, args, cotangent, want):
     try:
         return _time(name, forward, args, cotangent, want)
     except Exception as error:  # noqa: BLE001 - one failing implementation must not end a GPU session's run
-        message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
+        message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
         return {"implementation": name, "fwd ms": message, "fwd+bwd ms": "", "rel. error": ""}
 
 
@@ -76,13 +80,19 @@ def _implementations(case: Case) -> list[tuple[str, AttentionConfig]]:
     if case.dtype == jnp.bfloat16 and case.segments == 1:
         impls.append(("cuda:cudnn", AttentionConfig("cuda", "cudnn")))
     impls += [("xla:direct", AttentionConfig("xla", "direct"))] if case.seq_len <= 2048 else []
+    # At 8192 tokens one blocking shows XLA's level; each more costs minutes of compiling and timing.
+    blocks = (256, 512, 1024) if case.seq_len <= 2048 else (256,)
     return impls + [(f"xla:blockwise {b}x{b}", AttentionConfig("xla", "blockwise", block_q=b, block_k=b))
-                    for b in (256, 512, 1024)]
+                    for b in blocks]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", help="indices into CASES to run, e.g. 0,5 (default: all)")
+    options = parser.parse_args()
+    cases = CASES if not options.cases else [CASES[int(i)] for i in options.cases.split(",")]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    for case in CASES:
+    for case in cases:
         args, cotangent = _inputs(case)
         sliding_window = None if case.window is None else (case.window, 0)
         ids = np.repeat(np.arange(case.segments, dtype=np.int32), case.seq_len // case.segments)[None]
@@ -91,18 +101,21 @@ def main() -> None:
         if case.seq_len <= 2048:
             want = reference.attention(*(np.asarray(x, np.float32) for x in args), causal=True,
                                        sliding_window=sliding_window, q_segment_ids=ids, kv_segment_ids=ids)
+        title = (f"T={case.seq_len} H={case.heads} KV={case.kv_heads} D={case.head_dim} "
+                 f"{jnp.dtype(case.dtype).name} window={case.window} segments={case.segments}")
         rows = []
         for name, cfg in _implementations(case):
             ours = functools.partial(attention, causal=True, sliding_window=sliding_window, mask_info=mask_info,
                                      cfg=cfg)
             rows.append(_timed(f"ours {name}", ours, args, cotangent, want))
+            print(title, rows[-1], flush=True)
         anchors = [] if case.segments > 1 else ["xla"] + (["cudnn"] if case.dtype == jnp.bfloat16 else [])
         for impl in anchors:
             jax_nn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl,
                                        local_window_size=sliding_window)
             rows.append(_timed(f"jax.nn.dot_product_attention {impl}", jax_nn, args, cotangent, want))
-        print(f"\nT={case.seq_len} H={case.heads} KV={case.kv_heads} D={case.head_dim} {jnp.dtype(case.dtype).name} "
-              f"window={case.window} segments={case.segments}")
+            print(title, rows[-1], flush=True)
+        print(f"\n{title}")
         print_table(rows, ["implementation", "fwd ms", "fwd+bwd ms", "rel. error"])
 
 

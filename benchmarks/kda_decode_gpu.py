@@ -43,7 +43,7 @@ DIM = 128
 LOWER_BOUND = -5.0
 CASES = [(1, 32), (8, 32), (64, 32), (256, 32), (1024, 16)]  # (requests, heads)
 STEPS = {1: 1000, 8: 500, 64: 200, 256: 60, 1024: 60}
-# (block_v, num_warps[, block_k]). The first run (2026-12-02) also timed (16, 2), (64, 8), (128, 8): never the best.
+# (block_v, num_warps). The first run (2026-12-02) also timed (16, 2), (64, 8), (128, 8): never the best.
 VARIANTS = [(32, 2), (32, 4), (64, 2), (64, 4)]
 # Steps per loop iteration: an XLA while loop on the GPU costs ~6 us per iteration (its predicate
 # goes back to the host), which a server's step (all layers in one program) never pays.
@@ -62,11 +62,11 @@ def make_inputs(seed: int, batch: int, heads: int, dim: int):
 
 
 def launch_of(variant: tuple[int, ...]) -> dict[str, int]:
-    return dict(zip(("block_v", "num_warps", "block_k"), variant))
+    return dict(zip(("block_v", "num_warps"), variant))
 
 
 def variant_name(variant: tuple[int, ...]) -> str:
-    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w", "k"), variant))
+    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w"), variant))
 
 
 def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
@@ -242,7 +242,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpret mode, no fla")
     parser.add_argument("--batches", help="which request counts of CASES to run, e.g. 64,256 (default: all)")
-    parser.add_argument("--configs", help="block_v x num_warps [x block_k] to time, e.g. 32x2,64x4,64x8x32 "
+    parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 "
                         "(default: VARIANTS)")
     parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")

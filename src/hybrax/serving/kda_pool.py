@@ -41,12 +41,11 @@ GATES = pallas_decode.GATES
 
 @dataclasses.dataclass(frozen=True)
 class KdaDecodePoolConfig(KernelConfig):
-    """Speed knobs of the Pallas kernel: value columns per program, warps per program, and the keys per block
-    that the kernel holds the state tile in (None: all of K; see `pallas_decode.fused_recurrent_decode`)."""
+    """Speed knobs of the Pallas kernel: value columns per program and warps per program (see
+    `pallas_decode.fused_recurrent_decode`)."""
 
     block_v: int = 32
     num_warps: int = 4
-    block_k: int | None = None
 
 
 @problem_dataclass
@@ -224,11 +223,8 @@ def _pallas_heuristic(inv: Invocation) -> KdaDecodePoolConfig:
 
 
 def _pallas_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
-    dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
-    return [
-        KdaDecodePoolConfig(block_v=bv, num_warps=w, block_k=bk)
-        for bv, w, bk in pallas_decode.LAUNCH_CANDIDATES if bv <= dv and (bk is None or bk < dk)
-    ]  # a block of all of K or more is the whole-K launch, a candidate already
+    dv = inv.arrays["v"].shape[3]
+    return [KdaDecodePoolConfig(block_v=bv, num_warps=w) for bv, w in pallas_decode.LAUNCH_CANDIDATES if bv <= dv]
 
 
 @register(OP_ID, "pallas", "fused_recurrent", priority=20, devices=("gpu",), supports=_pallas_supports,
@@ -238,7 +234,7 @@ def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tu
         problem.q, problem.k, problem.v, problem.g, problem.beta, problem.pool, problem.slots, problem.token_slots,
         problem.a_log, problem.dt_bias, scale=problem.scale, lower_bound=problem.lower_bound, gate=problem.gate,
         beta_is_logits=problem.beta_is_logits, use_qk_l2norm=problem.use_qk_l2norm,
-        state_v_first=problem.state_v_first, block_v=cfg.block_v, block_k=cfg.block_k, num_warps=cfg.num_warps,
+        state_v_first=problem.state_v_first, block_v=cfg.block_v, num_warps=cfg.num_warps,
         interpret=interpret_here(),
     )
 

@@ -130,6 +130,8 @@ BAD = {
     "dropout prob": (dict(dropout_prob=1.0, deterministic=False), r"dropout_prob must be a number in \[0, 1\)"),
     "dropout rng": (dict(dropout_prob=0.1, deterministic=False), "needs a dropout_rng"),
     "soft cap": (dict(logits_soft_cap=0.0), "logits_soft_cap must be a number > 0"),
+    "nan scale": (dict(softmax_scale=float("nan")), "softmax_scale must be a finite number or None .* got nan"),
+    "array scale": (dict(softmax_scale=jnp.ones((2,))), "softmax_scale must be a finite number or None"),
     "dtype": (dict(dtype=jnp.int32), "dtype must be a floating dtype"),
     "init_bias": (dict(init_bias=lambda: jnp.zeros((B, H, TQ, TQ))), r"init_bias\(\) must have shape"),
     # MaskInfo built directly skips its constructors' checks: prepare checks the fields again.

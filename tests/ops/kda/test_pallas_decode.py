@@ -10,7 +10,7 @@ import pytest
 from hybrax.ops.kda import pallas_decode, reference
 from hybrax.ops.kda.api import KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_decode import MAX_UNROLLED_TOKENS, fused_recurrent_decode
-from tests.helpers import TOLERANCE, assert_close, normal, to64
+from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 from tests.ops.kda.oracle import loss_weights, oracle_outputs_and_gradients, our_gradients, ours
 
 B, H, HV, K, V = 3, 1, 2, 16, 32
@@ -93,14 +93,13 @@ def test_chained_steps_equal_one_sequence():
 
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("gate_width", [K, 1])
-def test_key_blocks_match_reference(v_first, gate_width):
-    """block_k < K: the kernel holds the state tile and every vector over K as blocks of 8 keys (a per-head
-    gate stands for every block; dt_bias is per key either way)."""
+def test_layouts_and_gate_widths_match_reference(v_first, gate_width):
+    """Three tokens through either state layout with a per-key or per-head gate (dt_bias per key either way)."""
     q, k, v, g, beta = decode_inputs(70, tokens=3, gate_width=gate_width)
     a_log, dt_bias = gate_params(71)
     states = normal(72, (B, HV, K, V))
     state = jnp.swapaxes(states, 2, 3) if v_first else states
-    o, new_state = run_kernel(q, k, v, g, beta, state, "bounded", a_log, dt_bias, state_v_first=v_first, block_k=8)
+    o, new_state = run_kernel(q, k, v, g, beta, state, "bounded", a_log, dt_bias, state_v_first=v_first)
     new_state = jnp.swapaxes(new_state, 2, 3) if v_first else new_state
     ref = reference_steps(q, k, v, g, beta, states, "bounded", a_log, dt_bias)
     assert_close((o, new_state), ref, TOLERANCE[jnp.float32])
@@ -249,8 +248,30 @@ def test_unsupported_head_sizes_are_declined():
     assert pallas_decode.tile_reason(128, 128) is None
 
 
-@pytest.mark.parametrize("launch", [{"block_v": 24}, {"block_k": 12}, {"block_k": 0}])
+@pytest.mark.parametrize("launch", [{"block_v": 24}, {"block_v": 0}])
 def test_launch_blocks_must_be_powers_of_two(launch):
     q, k, v, g, beta = decode_inputs(80)
     with pytest.raises(ValueError, match=f"{next(iter(launch))} must be a power of two"):
         fused_recurrent_decode(q, k, v, g, beta, normal(81, (B, HV, K, V)), scale=1.0, interpret=True, **launch)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("use_qk_l2norm", [False, True])
+@pytest.mark.parametrize("tokens", [1, MAX_UNROLLED_TOKENS + 2])
+def test_lowers_to_triton(v_first, use_qk_l2norm, tokens):
+    """Interpret mode runs any jnp; the Triton lowering takes stacks and splits only of two along the last
+    axis, and its scalars apart from 0-d tensors: the kernel lowers for an H200 in every shape of its code."""
+    sd = jax.ShapeDtypeStruct
+    inputs = [sd((4, tokens, 2, 128), jnp.bfloat16)] * 3 + [sd((4, tokens, 2, 128), jnp.float32),
+                                                            sd((4, tokens, 2), jnp.float32)]
+    pool, slots, token_slots = sd((6, 2, 128, 128), jnp.float32), sd((4,), jnp.int32), sd((4, tokens), jnp.int32)
+    gate_params = sd((2,), jnp.float32), sd((2, 128), jnp.float32)
+
+    def step(q, k, v, g, beta, pool, slots, token_slots, a_log, dt_bias):
+        return fused_recurrent_decode(
+            q, k, v, g, beta, pool, slots, token_slots, a_log, dt_bias, scale=0.1, lower_bound=-5.0,
+            gate="bounded", beta_is_logits=True, use_qk_l2norm=use_qk_l2norm, state_v_first=v_first, block_v=64,
+        )
+
+    text = lower_for_h200(step, *inputs, pool, slots, token_slots, *gate_params)
+    assert text.count("__gpu$xla.gpu.triton") == 1

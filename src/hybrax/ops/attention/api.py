@@ -9,7 +9,6 @@ turned into two seed words. Implementations only compute.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, static_field
-from hybrax.core.validate import check_floating, check_integer, check_rank, describe
+from hybrax.core.validate import check_floating, check_integer, check_number, check_rank, describe
 from hybrax.ops.attention.mask import MaskInfo
 
 OP_ID = "attention"
@@ -168,12 +167,11 @@ def _window_bounds(sliding_window: Any, causal: bool) -> tuple[int | None, int |
 
 
 def _check_scalars(softmax_scale: Any, logits_soft_cap: Any, dropout_prob: Any) -> None:
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be a finite Python number or None, got {softmax_scale!r}")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
-        raise ValueError(f"logits_soft_cap must be a number > 0 or None, got {logits_soft_cap!r}")
-    if not (isinstance(dropout_prob, (int, float)) and 0.0 <= dropout_prob < 1.0):
-        raise ValueError(f"dropout_prob must be a number in [0, 1), got {dropout_prob!r}")
+    if softmax_scale is not None:
+        check_number("softmax_scale", softmax_scale, "a finite number or None", lambda scale: True)
+    if logits_soft_cap is not None:
+        check_number("logits_soft_cap", logits_soft_cap, "a number > 0 or None", lambda cap: cap > 0)
+    check_number("dropout_prob", dropout_prob, "a number in [0, 1)", lambda prob: 0.0 <= prob < 1.0)
 
 
 def _check_dtype(name: str, dtype: Any) -> Any:

@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclass, static_field, vary_like
 from hybrax.core.kernel import Invocation
 from hybrax.core.validate import (
-    check_cu_seqlens, check_divides, check_floating, check_rank, check_shape, describe, is_concrete,
+    check_cu_seqlens, check_divides, check_floating, check_number, check_rank, check_shape, describe, is_concrete,
 )
 from hybrax.ops.kda.gate import activate_beta, fused_gate
 
@@ -177,9 +177,8 @@ class KernelDeltaAttention(Kernel[KernelDeltaAttentionConfig, Any]):
                         f"{what}, num_value_heads, head_dim, v_head_dim]")
             check_floating("initial_state", initial_state)
             initial_state = jnp.asarray(initial_state, jnp.float32)
-        scale = dk**-0.5 if softmax_scale is None else softmax_scale
-        if isinstance(scale, bool) or not is_concrete(scale) or np.ndim(scale) != 0 or not float(scale) > 0:
-            raise ValueError(f"softmax_scale must be a positive number (not traced) or None, got {softmax_scale!r}")
+        scale = dk**-0.5 if softmax_scale is None else check_number(
+            "softmax_scale", softmax_scale, "a number > 0 or None", lambda scale: scale > 0)
         return KdaProblem(
             q=query, k=key, v=value,
             beta=activate_beta(beta, beta_is_logits),

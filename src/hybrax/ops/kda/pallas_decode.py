@@ -23,7 +23,6 @@ nowhere else.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any
 
 import jax
@@ -58,99 +57,89 @@ def _log_decay(raw, a_log, dt_bias, lower_bound, gate: str):
 def _decode_kernel(
     scalars_ref, slots_ref, token_slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
     state_in_ref, o_ref, state_ref, *, gate: str, beta_is_logits: bool, use_qk_l2norm: bool, v_first: bool,
-    block_v: int, block_k: int, group: int,
+    block_v: int, group: int,
 ):
     del state_in_ref  # aliased to state_ref: read and written through it
     j, head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tokens = v_ref.shape[1]
     cols = pl.ds(j * block_v, block_v)
-    # The state tile and every vector over K are held as blocks of block_k keys. Triton lays each loaded block
-    # out by itself, so with block_k < K fewer threads (V-first) or warps (K-first) share a key row: the
-    # reductions over K add more within each thread and shuffle and synchronize less, the blocks summed before
-    # the one reduction (offline PTX at B = 64: `LAUNCH_CANDIDATES`).
-    key_blocks = [pl.ds(start, block_k) for start in range(0, q_ref.shape[-1], block_k)]
     scale, lower_bound = scalars_ref[0], scalars_ref[1]
     slot = b if slots_ref is None else slots_ref[b]
     key_axis = 1 if v_first else 0
 
-    def along_keys(x):  # [block_k] -> broadcastable over a block's key axis
-        return x[None, :] if v_first else x[:, None]
+    def along_keys(x):  # [K] (or [K, 2]) -> broadcastable over the tile's key axis
+        return x[None] if v_first else x[:, None]
 
-    def along_values(x):  # [BV] -> broadcastable over a block's value axis
+    def along_values(x):  # [BV] -> broadcastable over the tile's value axis
         return x[:, None] if v_first else x[None, :]
 
-    def tile(row, keys):  # one key block of the program's view of a state row: [BV, block_k] V-first, else transposed
-        return state_ref.at[row, head, cols, keys] if v_first else state_ref.at[row, head, keys, cols]
-
-    def load_state(row):
-        return [tile(row, keys)[...] for keys in key_blocks]
-
-    def store_state(row, state):
-        for keys, block in zip(key_blocks, state):
-            tile(row, keys)[...] = block
-
-    def reduce_keys(state, x):  # S^T x: [BV], the blocks' products summed before the one reduction over keys
-        return jnp.sum(_total(block * along_keys(part) for block, part in zip(state, x)), axis=key_axis)
-
-    def gate_blocks(t):  # the raw gate per key block; a per-head gate [1] stands for every block
-        if g_ref.shape[-1] == 1:
-            return [g_ref[b, t, head, :]] * len(key_blocks)
-        return [g_ref[b, t, head, keys] for keys in key_blocks]
+    def tile(row):  # the program's view of a state row: [BV, K] V-first, else [K, BV]
+        return state_ref.at[row, head, cols, :] if v_first else state_ref.at[row, head, :, cols]
 
     def token_inputs(t):
-        """Token t's q, k (lists of key blocks), v, raw gate (key blocks) and beta in fp32. Loaded before any
-        arithmetic: ptxas moves no load across the barriers of the reductions over K, so each load issued
-        after one waited out a whole memory round trip of its own (four of them per step)."""
+        """Token t's q, k, v, raw gate and beta in fp32. Loaded before any arithmetic: ptxas moves no load
+        across the barriers of the reductions over K, so each load issued after one waited out a whole memory
+        round trip of its own (four of them per step)."""
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
         return (
-            [f32(q_ref[b, t, head // group, keys]) for keys in key_blocks],
-            [f32(k_ref[b, t, head // group, keys]) for keys in key_blocks],
-            f32(v_ref[b, t, head, cols]), [f32(raw) for raw in gate_blocks(t)], f32(beta_ref[b, t, head]),
+            f32(q_ref[b, t, head // group, :]), f32(k_ref[b, t, head // group, :]), f32(v_ref[b, t, head, cols]),
+            f32(g_ref[b, t, head, :]), f32(beta_ref[b, t, head]),
         )
 
     a_log = None if a_log_ref is None else a_log_ref[head].astype(jnp.float32)
-    dt_bias = [None] * len(key_blocks)
-    if dt_bias_ref is not None:
-        dt_bias = [dt_bias_ref[head, keys].astype(jnp.float32) for keys in key_blocks]
+    dt_bias = None if dt_bias_ref is None else dt_bias_ref[head, :].astype(jnp.float32)
 
     def token_step(t, state, inputs=None):
+        """Token t from the state: (the new state, the output [BV] in fp32)."""
         q, k, v, raw_gate, beta = token_inputs(t) if inputs is None else inputs
-        if use_qk_l2norm:
-            q, k = _l2_normalize_blocks(q), _l2_normalize_blocks(k)
+        q, k, k_dot_q = _normalized_with_dot(q, k, scale, use_qk_l2norm)
         beta = jax.nn.sigmoid(beta) if beta_is_logits else beta
-        q = [part * scale for part in q]
-        state = [
-            block * along_keys(jnp.exp(_log_decay(raw, a_log, bias, lower_bound, gate)))
-            for block, raw, bias in zip(state, raw_gate, dt_bias)
-        ]
-        # Both reductions over K from the decayed state at once: o = S_new^T q = S'^T q + (k . q) beta e, so
-        # the output's reduction does not wait for the update (one reduction's barriers per step, not two in
-        # series). k . q, a vector dot, runs where it is written, after both reductions: the lowering keeps
-        # program order and ptxas moves nothing across their barriers (offline PTX, 2026-12-04).
-        error = v - reduce_keys(state, k)
-        decayed_out = reduce_keys(state, q)
-        update = beta * error
-        state = [block + along_keys(part) * along_values(update) for block, part in zip(state, k)]
-        o_ref[b, t, head, cols] = (decayed_out + _dot_blocks(k, q) * update).astype(o_ref.dtype)
-        if token_slots_ref is not None:
-            target = token_slots_ref[b, t]
+        state = state * along_keys(jnp.exp(_log_decay(raw_gate, a_log, dt_bias, lower_bound, gate)))
+        # Both reductions over K from the decayed state at once, stacked in one: o = S_new^T q = S'^T q +
+        # (k . q) beta e, so the output's reduction does not wait for the update, and one reduction's
+        # shuffles and barriers serve both (the lowering keeps program order; ptxas moves nothing across
+        # a barrier, so two reductions in a row cost two round trips through shared memory).
+        keys_then_queries = lax.stack([k, q], axis=1)  # [K, 2]
+        reduced = jnp.sum(state[..., None] * along_keys(keys_then_queries), axis=key_axis)  # [BV, 2]
+        decayed_k, decayed_q = lax.unstack(reduced, axis=1)
+        update = beta * (v - decayed_k)
+        state = state + along_keys(k) * along_values(update)
+        return state, decayed_q + k_dot_q * update
 
-            @pl.when(target >= 0)
-            def _():
-                store_state(target, state)
+    def store_output(t, out):
+        o_ref[b, t, head, cols] = out.astype(o_ref.dtype)
 
-        return state
+    def store_token_state(t, state):
+        if token_slots_ref is None:
+            return
+        target = token_slots_ref[b, t]
+
+        @pl.when(target >= 0)
+        def _():
+            tile(target)[...] = state
 
     def advance():
-        state = load_state(slot)
+        state = tile(slot)[...]
         if tokens <= MAX_UNROLLED_TOKENS:  # straight-line code for decode and short speculation
             inputs = [token_inputs(t) for t in range(tokens)]
+            outputs = []
             for t in range(tokens):
-                state = token_step(t, state, inputs[t])
+                state, out = token_step(t, state, inputs[t])
+                store_token_state(t, state)
+                outputs.append(out)
         else:
-            state = lax.fori_loop(0, tokens, token_step, state)
+            def loop_step(t, state):
+                state, out = token_step(t, state)
+                store_token_state(t, state)
+                store_output(t, out)
+                return state
+
+            state, outputs = lax.fori_loop(0, tokens, loop_step, state), []
+        # The state first: its stores are the step's long tail, the outputs' few bytes go out behind them.
         if token_slots_ref is None:
-            store_state(slot, state)
+            tile(slot)[...] = state
+        for t, out in enumerate(outputs):
+            store_output(t, out)
 
     if slots_ref is None:  # every request owns its row: nothing to skip
         advance()
@@ -161,26 +150,28 @@ def _decode_kernel(
     @pl.when(slot < 0)
     def _():
         for t in range(tokens):
-            o_ref[b, t, head, cols] = jnp.zeros((block_v,), o_ref.dtype)
+            store_output(t, jnp.zeros((block_v,), jnp.float32))
 
 
-def _total(terms) -> jax.Array:  # sum() would start from a 0 that the lowering keeps as one more add
-    return functools.reduce(operator.add, terms)
-
-
-def _dot_blocks(x: list[jax.Array], y: list[jax.Array]) -> jax.Array:
-    return _total(jnp.sum(a * b) for a, b in zip(x, y))
-
-
-def _l2_normalize_blocks(x: list[jax.Array]) -> list[jax.Array]:
-    inverse_norm = inverse_l2_norm(_dot_blocks(x, x))
-    return [part * inverse_norm for part in x]
+def _normalized_with_dot(q, k, scale, use_qk_l2norm: bool):
+    """(q scaled, k, k . q), q and k L2-normalized first when asked. The squared norms and k . q come from
+    the raw vectors in one stacked reduction (its barriers paid once), then rescale. The sums stay [1]
+    vectors: Triton's split of a [2] gives 0-d tensors that its scalar arithmetic does not take."""
+    if not use_qk_l2norm:
+        q = q * scale
+        return q, k, jnp.sum(k * q, keepdims=True)
+    squares = lax.stack([q * q, k * k], axis=1)  # [K, 2]
+    products = lax.stack([squares, lax.stack([k * q, k * q], axis=1)], axis=2)  # [K, 2, 2]
+    squares, dots = lax.unstack(jnp.sum(products, axis=0, keepdims=True), axis=2)  # [1, 2] each
+    (q_square, k_square), (k_dot_q, _) = lax.unstack(squares, axis=1), lax.unstack(dots, axis=1)  # [1] each
+    inverse_q, inverse_k = inverse_l2_norm(q_square) * scale, inverse_l2_norm(k_square)
+    return q * inverse_q, k * inverse_k, k_dot_q * inverse_q * inverse_k
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "gate", "beta_is_logits", "use_qk_l2norm", "state_v_first", "block_v", "block_k", "num_warps", "num_stages",
+        "gate", "beta_is_logits", "use_qk_l2norm", "state_v_first", "block_v", "num_warps", "num_stages",
         "interpret",
     ),
 )
@@ -203,7 +194,6 @@ def fused_recurrent_decode(
     use_qk_l2norm: bool = True,
     state_v_first: bool = False,
     block_v: int = 32,
-    block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,
@@ -213,8 +203,7 @@ def fused_recurrent_decode(
     g [B, T, HV, K] (or [B, T, HV, 1]: one decay per head) is raw for the fused gates, the log decay
     for `gate="activated"`; scale and lower_bound are numbers or one-element arrays. Without `slots`
     the state is [B, HV, K, V] (request b owns row b); with them it is a pool (see the module doc).
-    K, V, block_v and block_k must be powers of two; block_k (default K) splits the state's key axis into
-    blocks that the kernel holds apart (see `_decode_kernel`). Slots must be distinct among valid rows.
+    K, V and block_v must be powers of two. Slots must be distinct among valid rows.
     The state is updated in place when the caller donates it (or carries it through a loop).
     """
     if gate not in GATES:
@@ -224,17 +213,15 @@ def fused_recurrent_decode(
     if reason:
         raise ValueError(f"fused_recurrent_decode {reason}")
     block_v = min(block_v, dv)
-    block_k = q.shape[-1] if block_k is None else min(block_k, q.shape[-1])
-    for name, block in (("block_v", block_v), ("block_k", block_k)):
-        if block < 1 or block & (block - 1):  # with the head sizes powers of two, a power of two divides them
-            raise ValueError(f"{name} must be a power of two, got {block}")
+    if block_v < 1 or block_v & (block_v - 1):  # with the head sizes powers of two, a power of two divides them
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
     scalars = jnp.stack([
         jnp.asarray(scale, jnp.float32).reshape(()),
         jnp.asarray(0.0 if lower_bound is None else lower_bound, jnp.float32).reshape(()),
     ])
     kernel = functools.partial(
         _decode_kernel, gate=gate, beta_is_logits=beta_is_logits, use_qk_l2norm=use_qk_l2norm,
-        v_first=state_v_first, block_v=block_v, block_k=block_k, group=value_heads // q.shape[2],
+        v_first=state_v_first, block_v=block_v, group=value_heads // q.shape[2],
     )
     arrays = (scalars, slots, token_slots, q, k, v, g, beta, a_log, dt_bias, state)
     state_index = len(jax.tree.leaves(arrays)) - 1  # aliases count array leaves; the None slots hold none
@@ -260,14 +247,10 @@ def tile_reason(dk: int, dv: int) -> str | None:
     return None
 
 
-# (block_v, num_warps, block_k) launches worth timing (block_k None: all of K); the autotuner of
-# `kda_decode_pool` tries those that fit the head sizes. Key blocks cut registers and barriers in the
-# offline PTX (sm_90a, B = 64, registers / barriers): K-first bv64 w4 128 / 22, bv64 w8 bk32 80 / 7;
-# V-first bv64 w4 168 / 16, bv64 w8 bk32 99 / 1. Untimed on a GPU so far: launch_params keeps all of K.
-LAUNCH_CANDIDATES = (
-    (32, 2, None), (32, 4, None), (64, 2, None), (64, 4, None), (64, 8, None),
-    (32, 2, 32), (32, 4, 32), (64, 4, 32), (64, 8, 32),
-)
+# (block_v, num_warps) launches worth timing; the autotuner of `kda_decode_pool` tries those that fit the head
+# sizes. (Splitting the key axis into blocks held apart, fewer registers and barriers in the offline PTX, lost at
+# every batch on the H200: BENCHMARKS.md, fourteenth session.)
+LAUNCH_CANDIDATES = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8))
 # From this many programs of 64 value columns up, 64 columns stream the state faster; below, 32 columns
 # fill the GPU better (H200, 132 SMs, H = 32, K = V = 128, µs per step with 32 / 64 columns: B = 1
 # 11.2 / 16.0 (2026-12-02), B = 8 8.40 / 9.27, B = 64 81.8 / 81.5-82.4, B = 256 318 / 316, B = 1024 at
