@@ -95,13 +95,12 @@ def _decode_kernel(
         q, k, k_dot_q = _normalized_with_dot(q, k, scale, use_qk_l2norm)
         beta = jax.nn.sigmoid(beta) if beta_is_logits else beta
         state = state * along_keys(jnp.exp(_log_decay(raw_gate, a_log, dt_bias, lower_bound, gate)))
-        # Both reductions over K from the decayed state at once, stacked in one: o = S_new^T q = S'^T q +
-        # (k . q) beta e, so the output's reduction does not wait for the update, and one reduction's
-        # shuffles and barriers serve both (the lowering keeps program order; ptxas moves nothing across
-        # a barrier, so two reductions in a row cost two round trips through shared memory).
-        keys_then_queries = lax.stack([k, q], axis=1)  # [K, 2]
-        reduced = jnp.sum(state[..., None] * along_keys(keys_then_queries), axis=key_axis)  # [BV, 2]
-        decayed_k, decayed_q = lax.unstack(reduced, axis=1)
+        # Both reductions over K from the decayed state: o = S_new^T q = S'^T q + (k . q) beta e, so the
+        # output's reduction does not wait for the update. Kept as two sums: stacked into one [K, BV, 2]
+        # reduction they doubled the registers (230 at bv64 w4, 2 programs per SM) and ran 10-25% slower
+        # on the H200 (BENCHMARKS.md, sixteenth session).
+        decayed_k = jnp.sum(state * along_keys(k), axis=key_axis)
+        decayed_q = jnp.sum(state * along_keys(q), axis=key_axis)
         update = beta * (v - decayed_k)
         state = state + along_keys(k) * along_values(update)
         return state, decayed_q + k_dot_q * update
