@@ -15,7 +15,7 @@ GPU machine and has to stay small):
         --platform manylinux_2_27_x86_64 --only-binary=:all: -d .triton triton==3.6.0
     .venv/bin/python -m pip install -q --no-deps --target .triton/site .triton/triton-3.6.0-*.whl
     PYTHONPATH=src .venv/bin/python scripts/triton_shared_memory.py --triton .triton/site [--dtype fp32 --dim 256]
-        [--op decode | --op attention] [--value-dim 256]
+        [--op decode [--launch 64x8] [--v-first] | --op attention] [--value-dim 256]
 """
 
 from __future__ import annotations
@@ -147,17 +147,20 @@ def kda_calls(dtype, dim: int, directory: str, chunk: int = 64, packed: bool = F
     return [call for fn in (forward, gradient) for call in triton_calls(lower_for_h200(fn, *args), directory)]
 
 
-def decode_calls(dtype, dim: int, directory: str) -> list[tuple[str, int, int, str]]:
-    """The Triton call of one decode step for B = 64 requests, H = 32, with the library's launch."""
+def decode_calls(dtype, dim: int, directory: str, launch: dict | None = None, v_first: bool = False
+                 ) -> list[tuple[str, int, int, str]]:
+    """The Triton call of one decode step for B = 64 requests, H = 32, with the library's launch unless `launch`
+    names one (block_v, num_warps); `v_first`: the state V-first."""
     batch, heads = 64, 32
     tokens = (batch, 1, heads, dim)
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
         (tokens, dtype), (tokens, dtype), (tokens, dtype), (tokens, jnp.float32), ((batch, 1, heads), jnp.float32),
         ((batch, heads, dim, dim), jnp.float32),
     ]]
+    launch = launch or launch_params(batch * heads, dim)
 
     def step(q, k, v, g, beta, state):
-        return fused_recurrent_decode(q, k, v, g, beta, state, scale=dim ** -0.5, **launch_params(batch * heads, dim))
+        return fused_recurrent_decode(q, k, v, g, beta, state, scale=dim ** -0.5, state_v_first=v_first, **launch)
 
     return triton_calls(lower_for_h200(step, *args), directory)
 
@@ -194,13 +197,16 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64, help="the chunked path's chunk size")
     parser.add_argument("--packed", action="store_true", help="packed sequences (cu_seqlens), read in place")
     parser.add_argument("--plain", action="store_true", help="attention: causal only, no extras")
+    parser.add_argument("--launch", help="decode: block_v x num_warps instead of the library's, e.g. 64x8")
+    parser.add_argument("--v-first", action="store_true", help="decode: the state V-first [B, H, V, K]")
     args = parser.parse_args()
     dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.dtype]
     with tempfile.TemporaryDirectory() as directory:
         if args.op == "chunked":
             calls = kda_calls(dtype, args.dim, directory, args.chunk, args.packed, args.value_dim)
         elif args.op == "decode":
-            calls = decode_calls(dtype, args.dim, directory)
+            launch = dict(zip(("block_v", "num_warps"), map(int, args.launch.split("x")))) if args.launch else None
+            calls = decode_calls(dtype, args.dim, directory, launch, args.v_first)
         else:
             calls = attention_calls(dtype, args.dim, directory, extras=not args.plain)
         compiled = subprocess.run(
