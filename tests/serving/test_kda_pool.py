@@ -274,3 +274,16 @@ def test_gradients_through_a_step_match_float64(platform):
             _float64(problem))
         want = [np.asarray(getattr(grads, name)) for name in ("q", "k", "v", "g", "beta", "pool", "a_log", "dt_bias")]
     assert_close(got, want, TOLERANCE[jnp.float32], "gradient")
+
+
+@pytest.mark.parametrize("v_first, launch", [(False, {"block_v": 32, "num_warps": 4}),
+                                              (True, {"block_v": 32, "num_warps": 8})])
+def test_pallas_heuristic_launch_follows_the_pool_layout(v_first, launch):
+    """The V-first pool takes 8 warps (its reductions over K stay inside warps; measured on the H200), the
+    K-first pool 4 (Triton lays its warps along K)."""
+    kernel = KdaDecodePool()
+    inputs = step_inputs(61, 4, 1, "activated")
+    shape = (SLOTS, HV, V, K) if v_first else (SLOTS, HV, K, V)
+    problem = kernel.prepare(*inputs, jnp.zeros(shape), jnp.arange(4, dtype=jnp.int32), state_v_first=v_first)
+    cfg = kda_pool._pallas_heuristic(kernel.invocation(problem, "pallas"))
+    assert (cfg.block_v, cfg.num_warps) == (min(launch["block_v"], V), launch["num_warps"])

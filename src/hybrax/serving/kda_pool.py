@@ -219,7 +219,7 @@ def _pallas_supports(inv: Invocation) -> str | None:
 
 def _pallas_heuristic(inv: Invocation) -> KdaDecodePoolConfig:
     batch, _, value_heads, dv = inv.arrays["v"].shape
-    return KdaDecodePoolConfig(**pallas_decode.launch_params(batch * value_heads, dv))
+    return KdaDecodePoolConfig(**pallas_decode.launch_params(batch * value_heads, dv, inv.static["state_v_first"]))
 
 
 def _pallas_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:

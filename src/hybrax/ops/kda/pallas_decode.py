@@ -249,7 +249,7 @@ def tile_reason(dk: int, dv: int) -> str | None:
 # (block_v, num_warps) launches worth timing; the autotuner of `kda_decode_pool` tries those that fit the head
 # sizes. (Splitting the key axis into blocks held apart, fewer registers and barriers in the offline PTX, lost at
 # every batch on the H200: BENCHMARKS.md, fourteenth session.)
-LAUNCH_CANDIDATES = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8))
+LAUNCH_CANDIDATES = ((32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (64, 8))
 # From this many programs of 64 value columns up, 64 columns stream the state faster; below, 32 columns
 # fill the GPU better (H200, 132 SMs, H = 32, K = V = 128, µs per step with 32 / 64 columns: B = 1
 # 11.2 / 16.0 (2026-12-02), B = 8 8.40 / 9.27, B = 64 81.8 / 81.5-82.4, B = 256 318 / 316, B = 1024 at
@@ -257,9 +257,15 @@ LAUNCH_CANDIDATES = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8))
 MIN_PROGRAMS = 4096
 
 
-def launch_params(rows: int, dv: int) -> dict[str, int]:
-    """block_v and num_warps for `rows` = requests x value heads (measured on the H200: BENCHMARKS.md):
-    4 warps, 32 columns up to B = 8 at H = 32, 64 columns from B = 64."""
+def launch_params(rows: int, dv: int, state_v_first: bool = False) -> dict[str, int]:
+    """block_v and num_warps for `rows` = requests x value heads (measured on the H200: BENCHMARKS.md).
+
+    K-first: 4 warps, 32 columns up to B = 8 at H = 32, 64 columns from B = 64 (Triton lays the warps along K,
+    so the reductions over K cross warps; more warps lose). V-first: 32 columns and 8 warps at every B (each
+    warp holds whole key rows, its reductions stay in the warp): 1-13% faster there than the K-first launches
+    (seventeenth session), though still 1-2% behind the K-first state at B >= 64."""
+    if state_v_first:
+        return {"block_v": min(32, dv), "num_warps": 8}
     block_v = 64 if dv >= 64 and rows * (dv // 64) >= MIN_PROGRAMS else min(32, dv)
     return {"block_v": block_v, "num_warps": 4}
 
