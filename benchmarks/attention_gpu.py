@@ -1,6 +1,8 @@
-"""GPU check of `attention`'s implementations (auto, cuDNN, Pallas flash, XLA): errors against float64 and times
+"""GPU check of `attention`'s implementations (auto, cuDNN, Pallas flash, XLA): errors against float64 (outputs
+and the gradients of q, k, v, at T <= 2048) and times
 beside jax.nn.dot_product_attention (XLA, and cuDNN for bf16). Causal, B=1, H=8, D=64, then 32 query heads on 8
-kv heads of 128: plain, with a 1024-token window, and as four packed sequences; fwd and fwd+bwd.
+kv heads of 128: plain, with a 1024-token window, and as four packed sequences (also at T = 2048, checked);
+fwd and fwd+bwd.
 
     PYTHONPATH=src python3 benchmarks/attention_gpu.py [--cases 0,5]
 
@@ -28,22 +30,37 @@ from hybrax.core import relative_error  # noqa: E402
 from hybrax.ops.attention import reference  # noqa: E402
 
 
-def _timed(name, forward, args, cotangent, want):
+def _timed(name, forward, args, cotangent, want: tuple | None):
     """A row of times and error; a launch that fails (compile or run) is a row saying so, and the sweep goes on."""
     try:
         return _time(name, forward, args, cotangent, want)
     except Exception as error:  # noqa: BLE001 - one failing implementation must not end a GPU session's run
         message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
-        return {"implementation": name, "fwd ms": message, "fwd+bwd ms": "", "rel. error": ""}
+        return {"implementation": name, "fwd ms": message, "fwd+bwd ms": "", "rel. error": "", "grad error": ""}
 
 
 def _time(name, forward, args, cotangent, want):
     fwd = jax.jit(forward)
     fwd_bwd = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32) * cotangent), argnums=(0, 1, 2)))
-    error = relative_error(np.asarray(fwd(*args), np.float32), want) if want is not None else float("nan")
+    error = grad_error = float("nan")
+    if want is not None:
+        error = relative_error(np.asarray(fwd(*args), np.float32), want[0])
+        grad_error = relative_error([np.asarray(g, np.float32) for g in fwd_bwd(*args)], want[1])
     timed = functools.partial(median_ms, repeats=10, warmup=2)
     return {"implementation": name, "fwd ms": f"{timed(lambda: fwd(*args)):.3f}",
-            "fwd+bwd ms": f"{timed(lambda: fwd_bwd(*args)):.3f}", "rel. error": f"{error:.1e}"}
+            "fwd+bwd ms": f"{timed(lambda: fwd_bwd(*args)):.3f}", "rel. error": f"{error:.1e}",
+            "grad error": f"{grad_error:.1e}"}
+
+
+def _reference(args, cotangent, seen) -> tuple:
+    """The float64 output and gradients of sum(out * cotangent) for q, k, v (the reference's autodiff)."""
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in (*args, cotangent)]
+        def loss(*qkv):
+            return jnp.sum(reference.attention_math(jnp, *qkv, seen=seen) * f64[3])
+        out = reference.attention_math(jnp, *f64[:3], seen=seen)
+        grads = jax.grad(loss, argnums=(0, 1, 2))(*f64[:3])
+        return np.asarray(out), [np.asarray(g) for g in grads]
 
 
 class Case(NamedTuple):
@@ -64,6 +81,7 @@ CASES = (
     Case(8192, 32, 8, 128, jnp.bfloat16),
     Case(8192, 32, 8, 128, jnp.bfloat16, window=1024),
     Case(8192, 32, 8, 128, jnp.bfloat16, segments=4),
+    Case(2048, 32, 8, 128, jnp.bfloat16, segments=4),  # the packed layer at a length the reference checks
 )
 
 
@@ -99,8 +117,9 @@ def main() -> None:
         mask_info = MaskInfo.from_segments(jnp.asarray(ids)) if case.segments > 1 else None
         want = None
         if case.seq_len <= 2048:
-            want = reference.attention(*(np.asarray(x, np.float32) for x in args), causal=True,
-                                       sliding_window=sliding_window, q_segment_ids=ids, kv_segment_ids=ids)
+            seen = reference.visible_keys(case.seq_len, case.seq_len, causal=True, sliding_window=sliding_window,
+                                          q_segment_ids=ids, kv_segment_ids=ids)
+            want = _reference(args, cotangent, seen)
         title = (f"T={case.seq_len} H={case.heads} KV={case.kv_heads} D={case.head_dim} "
                  f"{jnp.dtype(case.dtype).name} window={case.window} segments={case.segments}")
         rows = []
@@ -116,7 +135,7 @@ def main() -> None:
             rows.append(_timed(f"jax.nn.dot_product_attention {impl}", jax_nn, args, cotangent, want))
             print(title, rows[-1], flush=True)
         print(f"\n{title}")
-        print_table(rows, ["implementation", "fwd ms", "fwd+bwd ms", "rel. error"])
+        print_table(rows, ["implementation", "fwd ms", "fwd+bwd ms", "rel. error", "grad error"])
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ g), one run, same inputs.
 
 bf16 q, k, v; fp32 log-decay gates (gk about -0.05 per step, as recurrent_cpu.py); the default scale K^-0.5.
 Ours is timed as the median of jitted calls from the host, fla with triton.testing.do_bench; forward, then
-forward+backward (the gradient of sum(out * d_out) for q, k, v and the gate). Errors of ours and of fla against
-ours at fp32 (the scan, exact) on the same inputs. `--smoke` runs tiny shapes on the CPU without fla.
+forward+backward (the gradient of sum(out * d_out) for q, k, v and the gate). Errors of ours (outputs and
+gradients) and of fla (outputs) against ours at fp32 (the scan, exact, no tf32) on the same inputs. `--smoke`
+runs tiny shapes on the CPU without fla.
 """
 
 from __future__ import annotations
@@ -83,17 +84,21 @@ def main() -> None:
     for shape in SMOKE_SHAPES if args.smoke else SHAPES:
         for gate in ("gk", "g"):
             q, k, v, log_decay, d_out = make_inputs(shape, gate)
-            exact = ours(IMPLEMENTATIONS["xla:scan"], gate)[0]
-            want = np.asarray(exact(*(x.astype(jnp.float32) for x in (q, k, v)), log_decay), np.float32)
+            exact, exact_grads = ours(IMPLEMENTATIONS["xla:scan"], gate)
+            fp32 = (*(x.astype(jnp.float32) for x in (q, k, v)), log_decay)
+            with jax.default_matmul_precision("highest"):  # no tf32 in the oracle
+                want = np.asarray(exact(*fp32), np.float32)
+                want_grads = [np.asarray(g, np.float32) for g in exact_grads(*fp32, d_out)]
             for name, cfg in IMPLEMENTATIONS.items():
                 if name == "xla:scan" and shape[1] > SCAN_TIMED_UP_TO:
                     continue
                 forward, forward_backward = ours(cfg, gate)
                 error = relative_error(np.asarray(forward(q, k, v, log_decay), np.float32), want)
+                grads = [np.asarray(g, np.float32) for g in forward_backward(q, k, v, log_decay, d_out)]
                 rows.append({"shape": "x".join(map(str, shape)), "gate": gate, "implementation": f"ours {name}",
                              "fwd ms": f"{median_ms(lambda: forward(q, k, v, log_decay), repeats=10):.3f}",
                              "fwd+bwd ms": f"{median_ms(lambda: forward_backward(q, k, v, log_decay, d_out)):.3f}",
-                             "rel. error": f"{error:.1e}"})
+                             "rel. error": f"{error:.1e}", "grad error": f"{relative_error(grads, want_grads):.1e}"})
                 print(rows[-1], flush=True)
             if with_fla:
                 from triton.testing import do_bench
@@ -103,7 +108,7 @@ def main() -> None:
                 rows.append({"shape": "x".join(map(str, shape)), "gate": gate, "implementation": "fla chunk",
                              "fwd ms": f"{do_bench(forward, return_mode='median'):.3f}",
                              "fwd+bwd ms": f"{do_bench(forward_backward, return_mode='median'):.3f}",
-                             "rel. error": f"{error:.1e}"})
+                             "rel. error": f"{error:.1e}", "grad error": ""})
                 print(rows[-1], flush=True)
     print_table(rows, list(rows[0]))
     if triton_cache is not None:
