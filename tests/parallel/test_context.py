@@ -173,6 +173,9 @@ def test_recurrent_matches_the_whole_sequence(reverse, gates):
 
 ATTENTION_CASES = {
     "causal_gqa": dict(causal=True),
+    "causal_unbalanced": dict(causal=True, balance=False),
+    "causal_odd_shard_length": dict(causal=True, length=44),  # halves do not split: the unbalanced branches
+    "causal_three_shards": dict(causal=True, shards=3),  # the middle shard trades its second half with itself
     "causal_left_window_across_shards": dict(causal=True, sliding_window=(17, 0)),
     "full": dict(),
     "causal_packed_sinks_soft_cap": dict(causal=True, segments=True, softmax_aux=jnp.full((4, 2), 0.5),
@@ -182,22 +185,25 @@ ATTENTION_CASES = {
 
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_matches_the_whole_sequence(case):
-    """Shards of 12 tokens; packed sequences of 7 / 20 / 21 tokens cross the shards' boundaries."""
+    """Shards of 12 tokens (of 11 at 44, of 16 on three devices); packed sequences of 7 / 20 / 21 tokens cross the
+    shards' boundaries (and the halves the balanced causal split trades)."""
     options = dict(ATTENTION_CASES[case])
-    packed = options.pop("segments", False)
-    q, k, v = normal(20, (B, 48, 4, 16)), normal(21, (B, 48, 2, 16)), normal(22, (B, 48, 2, 16))
-    ids = jnp.broadcast_to(jnp.repeat(jnp.arange(3), jnp.array([7, 20, 21]), total_repeat_length=48), (B, 48))
+    packed, length, shards = options.pop("segments", False), options.pop("length", 48), options.pop("shards", SHARDS)
+    devices = mesh() if shards == SHARDS else jax.sharding.Mesh(np.array(jax.devices()[:shards]), ("cp",))
+    q, k, v = normal(20, (B, length, 4, 16)), normal(21, (B, length, 2, 16)), normal(22, (B, length, 2, 16))
+    ids = jnp.broadcast_to(jnp.repeat(jnp.arange(3), jnp.array([7, 20, length - 27]), total_repeat_length=length),
+                           (B, length))
 
     def shard(q, k, v, ids):
         mask_info = MaskInfo.from_segments(ids) if packed else None
         return attention_context_parallel(q, k, v, axis_name="cp", mask_info=mask_info, **options)
 
-    mapped = jax.shard_map(shard, mesh=mesh(), in_specs=(TIME,) * 4, out_specs=TIME)
-    placed = [jax.device_put(a, NamedSharding(mesh(), TIME)) for a in (q, k, v, ids)]
+    mapped = jax.shard_map(shard, mesh=devices, in_specs=(TIME,) * 4, out_specs=TIME)
+    placed = [jax.device_put(a, NamedSharding(devices, TIME)) for a in (q, k, v, ids)]
 
     def whole(q, k, v, ids):
         sinks = options.get("softmax_aux")
-        rest = {name: value for name, value in options.items() if name != "softmax_aux"}
+        rest = {name: value for name, value in options.items() if name not in ("softmax_aux", "balance")}
         return attention(q, k, v, None, None, sinks, mask_info=MaskInfo.from_segments(ids) if packed else None, **rest)
 
     assert_close(jax.jit(mapped)(*placed), jax.tree.map(to64, whole(q, k, v, ids)), 1e-5)
@@ -216,9 +222,10 @@ def test_attention_refuses_what_does_not_split():
 
 
 def test_attention_lowers_for_h200(monkeypatch):
-    """Causal bf16 for a mesh of 4 H200s: each shard's branch is an ordinary causal call over its keys' prefix.
-    Shard 0's (as many keys as queries) takes cuDNN's fused kernels, forward and backward; the others have more
-    keys than queries, which cuDNN's causal mask (top-left) cannot express, and take `auto`'s next choice."""
+    """Causal bf16 for a mesh of 4 H200s: each shard's branch is two ordinary causal calls over their keys' prefix
+    (its own first half of queries and its partner's second). Shard 0's first half (as many keys as queries) takes
+    cuDNN's fused kernels, forward and backward; the others have more keys than queries, which cuDNN's causal mask
+    (top-left) cannot express, and take `auto`'s next choice."""
     pretend_h200_with_cudnn(monkeypatch)  # cuDNN's primitives lower only on a mesh of devices: the CPU's 4 stand in
     mapped = jax.shard_map(lambda *a: attention_context_parallel(*a, axis_name="cp", causal=True),
                            mesh=mesh(), in_specs=(TIME,) * 3, out_specs=TIME)
@@ -227,8 +234,10 @@ def test_attention_lowers_for_h200(monkeypatch):
     loss = lambda *a: jnp.sum(mapped(*a).astype(jnp.float32))  # noqa: E731
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__cudnn$fmhaSoftmax(") == 1 and text.count("__cudnn$fmhaSoftmaxBackward(") == 1
-    for shard in range(SHARDS):  # shard i attends to the keys of shards 0..i
-        assert f"tensor<1x{(shard + 1) * 256}x2x128xbf16>" in text
+    for shard in range(SHARDS):  # shard i attends half-shards 2i (own) and 2n - 1 - i (its partner's)
+        for kv_len in ((2 * shard + 1) * 128, 2 * (SHARDS - shard) * 128):
+            assert f"tensor<1x{kv_len}x2x128xbf16>" in text
+    assert text.count("collective_permute") >= 2  # queries out, outputs back
 
 
 @pytest.mark.parametrize("bounds", [(0, 5, 5, 30, 48), (0, 0, 12, 24, 48), (0, 48, 48, 48, 48)])

@@ -19,7 +19,7 @@ Gated linear attention: map(S) = Diag(a) S Diag(b) with a, b the shard's product
 decays, from cumulative sums of the log gates; the pass is the ordinary one.
 
 Softmax attention has no state to pass: each device gathers the whole sequence's keys and values
-(`attention_context_parallel`).
+(`attention_context_parallel`); causal calls trade half-shards of queries so that every device does the same work.
 """
 
 from __future__ import annotations
@@ -274,15 +274,22 @@ def attention_context_parallel(
     sliding_window: int | tuple[int, int] | None = None,
     mask_info: MaskInfo | None = None,
     softmax_aux: Float[Array, "num_heads num_sinks"] | Float[Array, " num_sinks"] | None = None,
+    balance: bool = True,
     **options: Any,
 ) -> Float[Array, "batch q_shard num_heads v_head_dim"]:
     """`attention` (self-attention) over a sequence split along time over mesh axis `axis_name` (inside
     shard_map): every device gathers the keys and values (and kv segment ids) of the whole sequence and attends
-    its own queries to them. Causal calls (with a left window or none) on shard i read only the keys of shards
-    0..i, a prefix whose length is static per shard: one branch per shard (`lax.switch`), each an ordinary
-    bottom-right-aligned causal call. On a GPU shard 0's call takes cuDNN; the others (more keys than queries,
-    which cuDNN's top-left causal mask cannot express) take `auto`'s next choice, XLA's blockwise kernel, or the
-    flash kernels with platform="pallas". The last shard works the longest (zigzag shards would balance it).
+    its own queries to them. Causal calls (with a left window or none) read only the keys before their queries'
+    last token, a prefix whose length is static per shard: one branch per shard (`lax.switch`), each made of
+    ordinary bottom-right-aligned causal calls.
+
+    Causal without a window, shard i's queries see (i + 1) shards of keys, so with `balance` (and an even shard
+    length) the shards even out the work as zigzag layouts do, while the tokens stay in order (as the linear
+    layers of a hybrid model need them): shard i keeps its first half of queries and trades its second half with
+    shard n - 1 - i (one `ppermute` of half the queries and, back, of their outputs), so that every device
+    attends half-shards 2i and 2n - 1 - i: (2n + 1) half-shard squares of work each, where the last shard alone
+    did 2n. On a GPU the call whose keys are as many as its queries (shard 0's first half) takes cuDNN; the
+    others (more keys than queries, which cuDNN's top-left causal mask cannot express) take `auto`'s next choice.
     `mask_info` may hold segment ids (packed sequences, shards of [batch, q_shard]); softmax_aux (sinks) as
     `attention`'s; `options` are its other keywords (softmax_scale, logits_soft_cap, dtype, softmax_dtype,
     platform, cfg): no bias, dense mask or dropout.
@@ -294,16 +301,36 @@ def attention_context_parallel(
         q_ids = mask_info.q_segment_ids
         kv_ids = jax.lax.all_gather(mask_info.kv_segment_ids, axis_name, axis=1, tiled=True)
 
-    def attend(kv_len: int) -> jax.Array:
-        ids = None if q_ids is None else MaskInfo.from_segments(q_ids, kv_ids[:, :kv_len])
-        return attention(query, keys[:, :kv_len], values[:, :kv_len], None, None, softmax_aux, causal=causal,
-                         sliding_window=sliding_window, mask_info=ids, **options)
+    def attend(queries: jax.Array, ids: jax.Array | None, kv_len: int) -> jax.Array:
+        """`queries` (ids their segment ids) against the first kv_len keys, causal aligned at the end."""
+        segments = None if ids is None else MaskInfo.from_segments(ids, kv_ids[:, :kv_len])
+        return attention(queries, keys[:, :kv_len], values[:, :kv_len], None, None, softmax_aux, causal=causal,
+                         sliding_window=sliding_window, mask_info=segments, **options)
 
     if not causal:
-        return attend(keys.shape[1])
+        return attend(query, q_ids, keys.shape[1])
     shard_len, shards = key.shape[1], jax.lax.axis_size(axis_name)
-    branches = [functools.partial(attend, (shard + 1) * shard_len) for shard in range(shards)]
-    return jax.lax.switch(jax.lax.axis_index(axis_name), branches)
+    if not balance or sliding_window is not None or shard_len % 2:
+        branches = [functools.partial(attend, query, q_ids, (shard + 1) * shard_len) for shard in range(shards)]
+        return jax.lax.switch(jax.lax.axis_index(axis_name), branches)
+    return _balanced_causal(attend, query, q_ids, shard_len, shards, axis_name)
+
+
+def _balanced_causal(attend: Callable, query: jax.Array, q_ids: jax.Array | None, shard_len: int, shards: int,
+                     axis_name: str) -> jax.Array:
+    """Causal attention with shard i's second half of queries computed by shard n - 1 - i (and its by i)."""
+    half = shard_len // 2
+    partners = [(shard, shards - 1 - shard) for shard in range(shards)]  # an involution: sent and returned alike
+    trade = functools.partial(jax.lax.ppermute, axis_name=axis_name, perm=partners)
+    kept = (query[:, :half], None if q_ids is None else q_ids[:, :half])
+    received = trade((query[:, half:], None if q_ids is None else q_ids[:, half:]))
+
+    def branch(shard: int) -> tuple[jax.Array, jax.Array]:
+        # Half-shard 2i ends at (2i + 1) halves; the partner's second half, 2(n - 1 - i) + 1, at 2(n - i) halves.
+        return attend(*kept, (2 * shard + 1) * half), attend(*received, 2 * (shards - shard) * half)
+
+    own, traded = jax.lax.switch(jax.lax.axis_index(axis_name), [functools.partial(branch, s) for s in range(shards)])
+    return jnp.concatenate([own, trade(traded)], axis=1)
 
 
 def _check_attention_shard(query: Any, key: Any, sliding_window: Any, causal: bool, mask_info: MaskInfo | None,
