@@ -6,9 +6,10 @@ For KDA, gated linear attention and causal softmax attention at one long sequenc
 sequence on one device, then what one device runs for its shard, forward and forward+backward, ms:
   - KDA: the chunked pass over T / n tokens with values widened by K columns (`kda_context_parallel`'s pass);
   - gated linear attention: the ordinary pass over T / n tokens;
-  - attention: the last shard's call (T / n queries over all T keys, the longest of the shards).
-`split` = whole / (n * shard): 1.0 when n devices would each do exactly 1/n of the work (attention's last shard
-does 2n / (n + 1) times its share of a causal call). With at least n devices visible the function itself runs
+  - attention: shard 0's two calls under the balanced split (T / 2n queries over T / 2n keys, and the last
+    T / 2n queries over all T keys; every shard's pair costs the same).
+`split` = whole / (n * shard): 1.0 when n devices would each do exactly 1/n of the work (attention's pair of
+calls is exactly 1/n of the causal call's work: h^2 / 2 + (2n h^2 - h^2 / 2) with h = T / 2n). With at least n devices visible the function itself runs
 under shard_map too (`cp`, `speedup` = whole / cp). Timings are the median of rounds of back-to-back jitted
 calls from the host. `--smoke` runs tiny shapes on the CPU.
 """
@@ -68,10 +69,12 @@ OPS = {
 }
 
 
-def last_shard_attention(shards: int):
-    """The last shard's call: its queries over every key (causal, bottom-right aligned)."""
+def balanced_shard_attention(shards: int):
+    """Shard 0's calls under the balanced split (every shard's work is the same): its first half of queries over
+    their keys, and the last shard's second half over every key (causal, bottom-right aligned)."""
     def call(q, k, v, g, b):
-        return attention(q[:, -q.shape[1] // shards:], k, v, causal=True)
+        half = q.shape[1] // (2 * shards)
+        return attention(q[:, :half], k[:, :half], v[:, :half], causal=True), attention(q[:, -half:], k, v, causal=True)
 
     return call
 
@@ -82,7 +85,7 @@ def row(name: str, length: int, heads: int, dim: int, shards: int) -> dict:
     result = {"op": name, "T": length, "H": heads, "shards": shards}
     shard_args = tuple(x[:, :length // shards] for x in args)
     if name == "attention":
-        shard, shard_args = last_shard_attention(shards), args
+        shard, shard_args = balanced_shard_attention(shards), args
     for label, fn, fn_args in (("whole", whole, args), ("shard", shard, shard_args)):
         forward, grad = forward_and_grad(fn, argnums)
         result[f"{label}_fwd"], result[f"{label}_bwd"] = time_jax(forward, *fn_args), time_jax(grad, *fn_args)
