@@ -9,9 +9,9 @@ sequence on one device, then what one device runs for its shard, forward and for
   - attention: shard 0's two calls under the balanced split (T / 2n queries over T / 2n keys, and the last
     T / 2n queries over all T keys; every shard's pair costs the same).
 `split` = whole / (n * shard): 1.0 when n devices would each do exactly 1/n of the work (attention's pair of
-calls is exactly 1/n of the causal call's work: h^2 / 2 + (2n h^2 - h^2 / 2) with h = T / 2n). With at least n devices visible the function itself runs
-under shard_map too (`cp`, `speedup` = whole / cp). Timings are the median of rounds of back-to-back jitted
-calls from the host. `--smoke` runs tiny shapes on the CPU.
+calls is exactly 1/n of the causal call's work: h^2 / 2 + (2n h^2 - h^2 / 2) with h = T / 2n). With at least
+n devices visible the function itself runs under shard_map too (`cp`, `speedup` = whole / cp). Timings are the
+median of rounds of back-to-back jitted calls from the host. `--smoke` runs tiny shapes on the CPU.
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def test_attention_lowers_for_h200(monkeypatch):
     loss = lambda *a: jnp.sum(mapped(*a).astype(jnp.float32))  # noqa: E731
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__cudnn$fmhaSoftmax(") == 1 and text.count("__cudnn$fmhaSoftmaxBackward(") == 1
-    for shard in range(SHARDS):  # shard i attends half-shards 2i (own) and 2n - 1 - i (its partner's)
+    for shard in range(SHARDS):  # shard i attends half-shards 2i (own) and 2n - 1 - 2i (its partner's)
         for kv_len in ((2 * shard + 1) * 128, 2 * (SHARDS - shard) * 128):
             assert f"tensor<1x{kv_len}x2x128xbf16>" in text
     assert text.count("collective_permute") >= 2  # queries out, outputs back

@@ -288,8 +288,9 @@ def attention_context_parallel(
     layers of a hybrid model need them): shard i keeps its first half of queries and trades its second half with
     shard n - 1 - i (one `ppermute` of half the queries and, back, of their outputs), so that device i attends
     half-shards 2i and 2n - 1 - 2i: half-shard j's causal work is j + 1/2 squares of a half-shard, so every
-    device does 2n of them, 1/n of the whole call, where the last shard alone did 4n - 2. On a GPU the call whose keys are as many as its queries (shard 0's first half) takes cuDNN; the
-    others (more keys than queries, which cuDNN's top-left causal mask cannot express) take `auto`'s next choice.
+    device does 2n of them, 1/n of the whole call, where the last shard alone did 4n - 2. On a GPU the call
+    whose keys are as many as its queries (shard 0's first half) takes cuDNN; the others (more keys than
+    queries, which cuDNN's top-left causal mask cannot express) take `auto`'s next choice.
     `mask_info` may hold segment ids (packed sequences, shards of [batch, q_shard]); softmax_aux (sinks) as
     `attention`'s; `options` are its other keywords (softmax_scale, logits_soft_cap, dtype, softmax_dtype,
     platform, cfg): no bias, dense mask or dropout.
