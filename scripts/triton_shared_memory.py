@@ -197,8 +197,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64, help="the chunked path's chunk size")
     parser.add_argument("--packed", action="store_true", help="packed sequences (cu_seqlens), read in place")
     parser.add_argument("--plain", action="store_true", help="attention: causal only, no extras")
-    parser.add_argument("--launch", help="decode: block_v x num_warps [x requests per program] instead of the "
-                        "library's, e.g. 64x8 or 32x4x2")
+    parser.add_argument("--launch", help="decode: block_v x num_warps instead of the library's, e.g. 64x8")
     parser.add_argument("--v-first", action="store_true", help="decode: the state V-first [B, H, V, K]")
     args = parser.parse_args()
     dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.dtype]
@@ -206,8 +205,7 @@ def main() -> None:
         if args.op == "chunked":
             calls = kda_calls(dtype, args.dim, directory, args.chunk, args.packed, args.value_dim)
         elif args.op == "decode":
-            names = ("block_v", "num_warps", "requests_per_program")
-            launch = dict(zip(names, map(int, args.launch.split("x")))) if args.launch else None
+            launch = dict(zip(("block_v", "num_warps"), map(int, args.launch.split("x")))) if args.launch else None
             calls = decode_calls(dtype, args.dim, directory, launch, args.v_first)
         else:
             calls = attention_calls(dtype, args.dim, directory, extras=not args.plain)
