@@ -62,12 +62,11 @@ def make_inputs(seed: int, batch: int, heads: int, dim: int):
 
 
 def launch_of(variant: tuple[int, ...]) -> dict[str, int]:
-    """(block_v, num_warps[, requests_per_program]) as the kernel's keyword arguments."""
-    return dict(zip(("block_v", "num_warps", "requests_per_program"), variant))
+    return dict(zip(("block_v", "num_warps"), variant))
 
 
 def variant_name(variant: tuple[int, ...]) -> str:
-    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w", "r"), variant))
+    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w"), variant))
 
 
 def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
@@ -243,8 +242,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpret mode, no fla")
     parser.add_argument("--batches", help="which request counts of CASES to run, e.g. 64,256 (default: all)")
-    parser.add_argument("--configs", help="block_v x num_warps [x requests per program] to time, e.g. "
-                        "32x2,64x4x2 (default: VARIANTS)")
+    parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 "
+                        "(default: VARIANTS)")
     parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
     parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")

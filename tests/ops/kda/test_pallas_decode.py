@@ -64,29 +64,6 @@ def test_steps_match_reference(gate, tokens):
     assert_close(out, reference_steps(q, k, v, g, beta, state, gate, a_log, dt_bias), TOLERANCE[jnp.float32])
 
 
-@pytest.mark.parametrize("gate", ["activated", "bounded"])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_several_requests_per_program_match_reference(gate, tokens):
-    """Each program takes three requests in turn (the next one's loads before the current one's math)."""
-    q, k, v, g, beta = decode_inputs(15, batch=6, tokens=tokens)
-    if gate == "activated":
-        g = jax.nn.log_sigmoid(g)
-    a_log, dt_bias = gate_params(25)
-    state = normal(35, (6, HV, K, V))
-    out = run_kernel(q, k, v, g, beta, state, gate, a_log, dt_bias, requests_per_program=3)
-    assert_close(out, reference_steps(q, k, v, g, beta, state, gate, a_log, dt_bias), TOLERANCE[jnp.float32])
-
-
-@pytest.mark.parametrize(("requests_per_program", "tokens", "message"), [
-    (2, 1, "must divide the batch B=3, got 2"), (0, 1, "must divide"), (3, MAX_UNROLLED_TOKENS + 1, "T <= 8"),
-])
-def test_requests_per_program_must_divide_the_batch(requests_per_program, tokens, message):
-    q, k, v, g, beta = decode_inputs(82, tokens=tokens)
-    with pytest.raises(ValueError, match=message):
-        fused_recurrent_decode(q, k, v, g, beta, normal(83, (B, HV, K, V)), scale=1.0, interpret=True,
-                               requests_per_program=requests_per_program)
-
-
 def test_per_head_decay_and_bf16_inputs():
     q, k, v, g, beta = decode_inputs(40, dtype=jnp.bfloat16, gate_width=1)
     g = jax.nn.log_sigmoid(g)
@@ -138,15 +115,14 @@ def as_pool(states, slots, num_slots, seed, v_first=False):
 
 
 @pytest.mark.parametrize("v_first", [False, True])
-@pytest.mark.parametrize("requests_per_program", [1, 3])
-def test_pool_slots_padding_and_untouched_rows(v_first, requests_per_program):
+def test_pool_slots_padding_and_untouched_rows(v_first):
     slots = np.array([5, -1, 2], np.int32)
     q, k, v, g, beta = decode_inputs(60)
     a_log, dt_bias = gate_params(61)
     states = normal(62, (B, HV, K, V))
     pool = as_pool(np.asarray(states), slots, 7, 63, v_first)
     o, new_pool = run_kernel(q, k, v, g, beta, pool, "softplus", a_log, dt_bias, slots=jnp.asarray(slots),
-                             state_v_first=v_first, requests_per_program=requests_per_program)
+                             state_v_first=v_first)
     ref_o, ref_states = reference_steps(q, k, v, g, beta, states, "softplus", a_log, dt_bias)
     new_pool = np.swapaxes(np.asarray(new_pool), 2, 3) if v_first else np.asarray(new_pool)
     valid = slots >= 0
@@ -158,8 +134,7 @@ def test_pool_slots_padding_and_untouched_rows(v_first, requests_per_program):
     np.testing.assert_array_equal(new_pool[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("requests_per_program", [1, 3])
-def test_token_slots_keep_every_tokens_state(requests_per_program):
+def test_token_slots_keep_every_tokens_state():
     """Speculative decoding: the state after token t lands in token_slots[b, t]; -1 writes nothing."""
     tokens = 3
     slots = np.array([0, 4, -1], np.int32)
@@ -169,7 +144,7 @@ def test_token_slots_keep_every_tokens_state(requests_per_program):
     states = normal(72, (B, HV, K, V))
     pool = as_pool(np.asarray(states), slots, 8, 73)
     o, new_pool = run_kernel(q, k, v, g, beta, pool, "bounded", a_log, dt_bias, slots=jnp.asarray(slots),
-                             token_slots=jnp.asarray(token_slots), requests_per_program=requests_per_program)
+                             token_slots=jnp.asarray(token_slots))
     new_pool, pool = np.asarray(new_pool), np.asarray(pool)
     written = set()
     for b in (0, 1):
@@ -282,8 +257,8 @@ def test_launch_blocks_must_be_powers_of_two(launch):
 
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("use_qk_l2norm", [False, True])
-@pytest.mark.parametrize(("tokens", "requests_per_program"), [(1, 1), (MAX_UNROLLED_TOKENS + 2, 1), (2, 2)])
-def test_lowers_to_triton(v_first, use_qk_l2norm, tokens, requests_per_program):
+@pytest.mark.parametrize("tokens", [1, MAX_UNROLLED_TOKENS + 2])
+def test_lowers_to_triton(v_first, use_qk_l2norm, tokens):
     """Interpret mode runs any jnp; the Triton lowering takes stacks and splits only of two along the last
     axis, and its scalars apart from 0-d tensors: the kernel lowers for an H200 in every shape of its code."""
     sd = jax.ShapeDtypeStruct
@@ -296,7 +271,6 @@ def test_lowers_to_triton(v_first, use_qk_l2norm, tokens, requests_per_program):
         return fused_recurrent_decode(
             q, k, v, g, beta, pool, slots, token_slots, a_log, dt_bias, scale=0.1, lower_bound=-5.0,
             gate="bounded", beta_is_logits=True, use_qk_l2norm=use_qk_l2norm, state_v_first=v_first, block_v=64,
-            requests_per_program=requests_per_program,
         )
 
     text = lower_for_h200(step, *inputs, pool, slots, token_slots, *gate_params)

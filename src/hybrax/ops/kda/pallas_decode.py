@@ -57,13 +57,14 @@ def _log_decay(raw, a_log, dt_bias, lower_bound, gate: str):
 def _decode_kernel(
     scalars_ref, slots_ref, token_slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
     state_in_ref, o_ref, state_ref, *, gate: str, beta_is_logits: bool, use_qk_l2norm: bool, v_first: bool,
-    block_v: int, group: int, requests: int,
+    block_v: int, group: int,
 ):
     del state_in_ref  # aliased to state_ref: read and written through it
-    j, head, first_request = pl.program_id(0), pl.program_id(1), pl.program_id(2) * requests
+    j, head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tokens = v_ref.shape[1]
     cols = pl.ds(j * block_v, block_v)
     scale, lower_bound = scalars_ref[0], scalars_ref[1]
+    slot = b if slots_ref is None else slots_ref[b]
     key_axis = 1 if v_first else 0
 
     def along_keys(x):  # [K] (or [K, 2]) -> broadcastable over the tile's key axis
@@ -75,8 +76,8 @@ def _decode_kernel(
     def tile(row):  # the program's view of a state row: [BV, K] V-first, else [K, BV]
         return state_ref.at[row, head, cols, :] if v_first else state_ref.at[row, head, :, cols]
 
-    def token_inputs(b, t):
-        """Request b's token t: q, k, v, raw gate and beta in fp32. Loaded before any arithmetic: ptxas moves no load
+    def token_inputs(t):
+        """Token t's q, k, v, raw gate and beta in fp32. Loaded before any arithmetic: ptxas moves no load
         across the barriers of the reductions over K, so each load issued after one waited out a whole memory
         round trip of its own (four of them per step)."""
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -88,9 +89,9 @@ def _decode_kernel(
     a_log = None if a_log_ref is None else a_log_ref[head].astype(jnp.float32)
     dt_bias = None if dt_bias_ref is None else dt_bias_ref[head, :].astype(jnp.float32)
 
-    def token_step(inputs, state):
-        """One token from the state: (the new state, the output [BV] in fp32)."""
-        q, k, v, raw_gate, beta = inputs
+    def token_step(t, state, inputs=None):
+        """Token t from the state: (the new state, the output [BV] in fp32)."""
+        q, k, v, raw_gate, beta = token_inputs(t) if inputs is None else inputs
         q, k, k_dot_q = _normalized_with_dot(q, k, scale, use_qk_l2norm)
         beta = jax.nn.sigmoid(beta) if beta_is_logits else beta
         state = state * along_keys(jnp.exp(_log_decay(raw_gate, a_log, dt_bias, lower_bound, gate)))
@@ -104,10 +105,10 @@ def _decode_kernel(
         state = state + along_keys(k) * along_values(update)
         return state, decayed_q + k_dot_q * update
 
-    def store_output(b, t, out):
+    def store_output(t, out):
         o_ref[b, t, head, cols] = out.astype(o_ref.dtype)
 
-    def store_token_state(b, t, state):
+    def store_token_state(t, state):
         if token_slots_ref is None:
             return
         target = token_slots_ref[b, t]
@@ -116,69 +117,39 @@ def _decode_kernel(
         def _():
             tile(target)[...] = state
 
-    def load(b, slot):
-        """Request b's state tile and its tokens' inputs, all issued before any of its arithmetic."""
-        return tile(slot)[...], [token_inputs(b, t) for t in range(tokens)]
-
-    def advance(b, slot, loaded=None):
-        """Request b's tokens on its state row `slot`: outputs and the new state stored."""
-        if tokens > MAX_UNROLLED_TOKENS:  # a loop over the tokens (long speculation, one request per program)
+    def advance():
+        state = tile(slot)[...]
+        if tokens <= MAX_UNROLLED_TOKENS:  # straight-line code for decode and short speculation
+            inputs = [token_inputs(t) for t in range(tokens)]
+            outputs = []
+            for t in range(tokens):
+                state, out = token_step(t, state, inputs[t])
+                store_token_state(t, state)
+                outputs.append(out)
+        else:
             def loop_step(t, state):
-                state, out = token_step(token_inputs(b, t), state)
-                store_token_state(b, t, state)
-                store_output(b, t, out)
+                state, out = token_step(t, state)
+                store_token_state(t, state)
+                store_output(t, out)
                 return state
 
-            state = lax.fori_loop(0, tokens, loop_step, tile(slot)[...])
-            if token_slots_ref is None:
-                tile(slot)[...] = state
-            return
-        state, inputs = load(b, slot) if loaded is None else loaded  # straight-line code for decode
-        outputs = []
-        for t in range(tokens):
-            state, out = token_step(inputs[t], state)
-            store_token_state(b, t, state)
-            outputs.append(out)
+            state, outputs = lax.fori_loop(0, tokens, loop_step, state), []
         # The state first: its stores are the step's long tail, the outputs' few bytes go out behind them.
         if token_slots_ref is None:
             tile(slot)[...] = state
         for t, out in enumerate(outputs):
-            store_output(b, t, out)
+            store_output(t, out)
 
-    def skip(b):  # a padded request: zeros out, its state untouched
-        for t in range(tokens):
-            store_output(b, t, jnp.zeros((block_v,), jnp.float32))
-
-    def slot_of(b):
-        return b if slots_ref is None else slots_ref[b]
-
-    if requests == 1:
-        slot = slot_of(first_request)
-        if slots_ref is None:  # every request owns its row: nothing to skip
-            advance(first_request, slot)
-            return
-        pl.when(slot >= 0)(functools.partial(advance, first_request, slot))
-        pl.when(slot < 0)(functools.partial(skip, first_request))
+    if slots_ref is None:  # every request owns its row: nothing to skip
+        advance()
         return
 
-    # Several requests per program: the next request's loads go out before this one's math, so the memory
-    # round trip of one hides behind the reductions of the other. A padded request's loads read row 0 (any
-    # row would do) and are dropped.
-    def load_request(r):
-        b = first_request + r
-        slot = slot_of(b)
-        return b, slot, load(b, slot if slots_ref is None else jnp.maximum(slot, 0))
+    pl.when(slot >= 0)(advance)
 
-    pending = load_request(0)
-    for r in range(requests):
-        b, slot, loaded = pending
-        if r + 1 < requests:
-            pending = load_request(r + 1)
-        if slots_ref is None:
-            advance(b, slot, loaded)
-        else:
-            pl.when(slot >= 0)(functools.partial(advance, b, slot, loaded))
-            pl.when(slot < 0)(functools.partial(skip, b))
+    @pl.when(slot < 0)
+    def _():
+        for t in range(tokens):
+            store_output(t, jnp.zeros((block_v,), jnp.float32))
 
 
 def _normalized_with_dot(q, k, scale, use_qk_l2norm: bool):
@@ -200,7 +171,7 @@ def _normalized_with_dot(q, k, scale, use_qk_l2norm: bool):
     jax.jit,
     static_argnames=(
         "gate", "beta_is_logits", "use_qk_l2norm", "state_v_first", "block_v", "num_warps", "num_stages",
-        "requests_per_program", "interpret",
+        "interpret",
     ),
 )
 def fused_recurrent_decode(
@@ -224,7 +195,6 @@ def fused_recurrent_decode(
     block_v: int = 32,
     num_warps: int = 4,
     num_stages: int = 1,
-    requests_per_program: int = 1,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "S HV K V"]]:
     """T tokens for each of B requests from the fp32 state; returns (o in q's dtype, the new state).
@@ -233,8 +203,6 @@ def fused_recurrent_decode(
     for `gate="activated"`; scale and lower_bound are numbers or one-element arrays. Without `slots`
     the state is [B, HV, K, V] (request b owns row b); with them it is a pool (see the module doc).
     K, V and block_v must be powers of two. Slots must be distinct among valid rows.
-    `requests_per_program` (dividing B) gives each program that many requests in turn, the next one's
-    loads issued before the current one's math.
     The state is updated in place when the caller donates it (or carries it through a loop).
     """
     if gate not in GATES:
@@ -246,23 +214,19 @@ def fused_recurrent_decode(
     block_v = min(block_v, dv)
     if block_v < 1 or block_v & (block_v - 1):  # with the head sizes powers of two, a power of two divides them
         raise ValueError(f"block_v must be a power of two, got {block_v}")
-    if requests_per_program < 1 or batch % requests_per_program:
-        raise ValueError(f"requests_per_program must divide the batch B={batch}, got {requests_per_program}")
-    if requests_per_program > 1 and tokens > MAX_UNROLLED_TOKENS:
-        raise ValueError(f"requests_per_program > 1 needs T <= {MAX_UNROLLED_TOKENS} tokens, got T={tokens}")
     scalars = jnp.stack([
         jnp.asarray(scale, jnp.float32).reshape(()),
         jnp.asarray(0.0 if lower_bound is None else lower_bound, jnp.float32).reshape(()),
     ])
     kernel = functools.partial(
         _decode_kernel, gate=gate, beta_is_logits=beta_is_logits, use_qk_l2norm=use_qk_l2norm,
-        v_first=state_v_first, block_v=block_v, group=value_heads // q.shape[2], requests=requests_per_program,
+        v_first=state_v_first, block_v=block_v, group=value_heads // q.shape[2],
     )
     arrays = (scalars, slots, token_slots, q, k, v, g, beta, a_log, dt_bias, state)
     state_index = len(jax.tree.leaves(arrays)) - 1  # aliases count array leaves; the None slots hold none
     return pallas_call(
         kernel,
-        grid=(dv // block_v, value_heads, batch // requests_per_program),
+        grid=(dv // block_v, value_heads, batch),
         out_shape=(jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
         input_output_aliases={state_index: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
