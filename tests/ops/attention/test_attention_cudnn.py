@@ -117,12 +117,13 @@ def test_before_hopper_head_dims_stop_at_128(monkeypatch):
     assert "<= 128" in cudnn._supports(_invocation(problem))
 
 
-def test_auto_prefers_cudnn_on_gpus_and_falls_back_to_xla():
+def test_auto_prefers_cudnn_then_pallas_flash_on_gpus_and_xla_elsewhere():
     _, problem = _problem(causal=True, q_len=24, kv_len=24)
     assert Attention().implementations(_invocation(problem))[0].name == "cuda:cudnn"
     _, with_sinks = _problem(causal=True, q_len=24, kv_len=24, sinks=(4, 2))
-    assert Attention().implementations(_invocation(with_sinks))[0].name == "xla:direct"
-    assert "cuda:cudnn" not in [impl.name for impl in Attention().implementations(_invocation(problem, "cpu"))]
+    assert Attention().implementations(_invocation(with_sinks))[0].name == "pallas:flash"
+    on_cpu = [impl.name for impl in Attention().implementations(_invocation(problem, "cpu"))]
+    assert on_cpu[0] == "xla:direct" and "cuda:cudnn" not in on_cpu and "pallas:flash" not in on_cpu
 
 
 def test_explicit_cuda_platform_on_cpu_names_the_reason():

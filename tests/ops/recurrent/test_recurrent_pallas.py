@@ -5,10 +5,13 @@ test_recurrent_gradients.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
 from hybrax import recurrent_attention
+from hybrax.ops.recurrent.api import RecurrentAttention
 from hybrax.ops.recurrent.reference import recurrent_reference
 from tests.helpers import TOLERANCE, assert_close
 from tests.ops.recurrent.inputs import PALLAS, make_call
@@ -55,6 +58,19 @@ def test_declines_with_the_reason(options, reason):
     call = make_call(5, **options)
     with pytest.raises(ValueError, match=f"pallas:chunked cannot run this call: .*{reason}"):
         recurrent_attention(*call.args(), reverse=call.reverse, cfg=PALLAS)
+
+
+@pytest.mark.parametrize(("options", "chosen"), [
+    (dict(gates=("gk",)), "pallas:chunked"), (dict(gates=("g",), cu_seqlens=[0, 0, 5, 40]), "pallas:chunked"),
+    (dict(gates=("gk", "gv")), "xla:chunked"), (dict(gates=("gk",), reverse=True), "xla:chunked"),
+])
+def test_auto_on_a_gpu(options, chosen):
+    """What `auto` takes on a GPU (the invocation as a GPU call would build it), and on the CPU."""
+    call = make_call(7, **options)
+    kernel = RecurrentAttention()
+    inv = kernel.invocation(kernel.prepare(*call.args(), reverse=call.reverse))
+    assert kernel.implementations(dataclasses.replace(inv, device="gpu", device_kind="NVIDIA H200"))[0].name == chosen
+    assert kernel.implementations(inv)[0].name == "xla:chunked"
 
 
 def test_softmax_scale():

@@ -205,8 +205,9 @@ def _bias_grad(p: AttentionProblem, d_bias: jax.Array, geometry: Geometry) -> ja
     return jnp.sum(per_head, axis=tuple(summed), keepdims=True).astype(p.bias.dtype)
 
 
-# devices=(): `auto` never picks it until a GPU has checked and timed it (platform="pallas" runs it anywhere).
-@register(OP_ID, "pallas", "flash", priority=5, devices=(), supports=_supports, heuristic_cfg=_heuristic,
+# On a GPU `auto` takes it where cuDNN declines (sinks, segments, bias, masks, dropout, soft cap, fp32): checked
+# against float64 and timed on the H200 (BENCHMARKS.md, nineteenth session). platform="pallas" runs it anywhere.
+@register(OP_ID, "pallas", "flash", priority=5, devices=("gpu",), supports=_supports, heuristic_cfg=_heuristic,
           candidate_cfgs=_candidates, fwd=_fwd, bwd=_bwd)
 def flash(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G Dv"]:
     return _forward(p, cfg)[0]

@@ -60,8 +60,9 @@ def _run(p: RecurrentProblem, cfg: RecurrentAttentionConfig) -> tuple[jax.Array,
     )
 
 
-# devices=(): `auto` never picks it until a GPU has checked and timed it (platform="pallas" runs it anywhere).
-@register(OP_ID, "pallas", "chunked", priority=3, devices=(), supports=_supports,
+# On a GPU `auto` takes it over xla:chunked: checked and timed on the H200, 10x XLA's chunked forward on GLA's
+# per-key gate (BENCHMARKS.md, nineteenth session). platform="pallas" runs it anywhere.
+@register(OP_ID, "pallas", "chunked", priority=3, devices=("gpu",), supports=_supports,
           heuristic_cfg=lambda inv: RecurrentAttentionConfig(chunk_size=64))
 def pallas_chunked(p: RecurrentProblem, cfg: RecurrentAttentionConfig) -> tuple[Float[Array, "B T H V"], jax.Array]:
     return _run(p, cfg)
