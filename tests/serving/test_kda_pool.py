@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 
 from hybrax.ops.kda import reference
-from hybrax.serving import (
-    KdaDecodePool, KdaDecodePoolConfig, Owed, kda_decode_pool, kda_pool, kda_prefill_pool, materialize, nothing_owed,
-)
+from hybrax.serving import KdaDecodePool, KdaDecodePoolConfig, kda_decode_pool, kda_prefill_pool, kda_pool
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 
 H, HV, K, V = 1, 2, 16, 32
@@ -85,44 +83,6 @@ def test_decode_by_slot(platform, gate, v_first, dtype):
     assert_close(after[slots[valid]], ref_states[valid], TOLERANCE[dtype], "pool rows")
     untouched = np.setdiff1d(np.arange(SLOTS), slots)
     np.testing.assert_array_equal(after[untouched], before[untouched])
-
-
-@pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("gate", ["activated", "bounded"])
-def test_deferred_pool_steps_by_slot(platform, gate):
-    """Three steps through a deferred pool that starts owing something: outputs and materialized rows follow the
-    float64 reference; rows no request names keep base and owed bit for bit; padded requests output zeros."""
-    slots = np.array([4, -1, 0], np.int32)
-    inputs = step_inputs(60, len(slots), 3, gate)
-    kwargs = gate_kwargs(61, gate)
-    states = normal(62, (len(slots), HV, K, V))
-    pool = pool_with(np.asarray(states), slots, 63)
-    owed = Owed(normal(64, (SLOTS, HV, K)), normal(65, (SLOTS, HV, V)))
-    base = pool - owed.key[..., None] * owed.update[..., None, :]  # the same states, something owed
-    step = jax.jit(lambda inputs, base, owed: decode(inputs, base, slots, gate, kwargs, platform, owed=owed))
-    start, outputs = (base, owed), []
-    for t in range(3):
-        o, base, owed = step(tuple(x[:, t:t + 1] for x in inputs), base, owed)
-        outputs.append(o)
-    o = jnp.concatenate(outputs, axis=1)
-    ref_o, ref_states = reference_run(inputs, states, kwargs)
-    valid = slots >= 0
-    assert_close(o[valid], ref_o[valid], TOL)
-    assert np.all(np.asarray(o[~valid]) == 0), "padded rows output zeros"
-    assert_close(materialize(base, owed)[slots[valid]], ref_states[valid], TOL, "pool rows")
-    untouched = np.setdiff1d(np.arange(SLOTS), slots)
-    for after, before in zip((base, *owed), (start[0], *start[1])):
-        np.testing.assert_array_equal(np.asarray(after)[untouched], np.asarray(before)[untouched])
-
-
-def test_deferred_pool_from_nothing_owed_matches_the_plain_pool():
-    slots = np.array([2, 5], np.int32)
-    inputs = step_inputs(70, 2, 1)
-    kwargs = gate_kwargs(71, "bounded")
-    pool = pool_with(np.asarray(normal(72, (2, HV, K, V))), slots, 73)
-    o, plain = decode(inputs, pool, slots, "bounded", kwargs, "pallas")
-    o_deferred, base, owed = decode(inputs, pool, slots, "bounded", kwargs, "pallas", owed=nothing_owed(pool))
-    assert_close((o_deferred, materialize(base, owed)), (o, plain), 1e-6)
 
 
 @pytest.mark.parametrize("platform, cfg", [
@@ -216,14 +176,6 @@ DECODE_BAD = [
     ({"gate": "sigmoid"}, "gate must be one of"),
     ({"softmax_scale": 0.0}, r"softmax_scale must be a number > 0 .* got 0.0"),
     ({"softmax_scale": "0.5"}, r"softmax_scale must be a number > 0 .* got '0.5'"),
-    ({"owed": (jnp.zeros((SLOTS, HV, K)),)}, r"owed must be an Owed \(key, update\) pair"),
-    ({"owed": Owed(jnp.zeros((SLOTS, HV, V)), jnp.zeros((SLOTS, HV, V)))},
-     r"owed.key must have shape \[num_slots, num_value_heads, head_dim\]"),
-    ({"owed": Owed(jnp.zeros((SLOTS, HV, K)), jnp.zeros((SLOTS, HV, V), jnp.bfloat16))}, "owed.update must be float32"),
-    ({"owed": nothing_owed(jnp.zeros((SLOTS, HV, K, V))), "state_v_first": True,
-      "pool": jnp.zeros((SLOTS, HV, V, K))}, "owed.key must have shape"),
-    ({"owed": nothing_owed(jnp.zeros((SLOTS, HV, K, V))), "token_slots": jnp.array([[0], [1]], jnp.int32)},
-     r"a deferred pool \(owed\) takes one token per request .* token_slots=set"),
 ]
 
 

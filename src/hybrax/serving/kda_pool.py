@@ -9,11 +9,6 @@ kept; no row named twice), so a verifier can resume from any accepted token; wit
 slots[b]. Rows no request names stay bit-for-bit unchanged, and the pool is updated in place when
 the caller donates it.
 
-With `owed` the pool is deferred (`ops/kda/pallas_decode_deferred.py`): row s holds a base and owes the rank-1
-update key[s] update[s]^T (state = base + key update^T; start from `nothing_owed(pool)`, read states with
-`materialize(pool, owed)`), and a step returns the new owed beside the pool. The GPU kernel then stores each
-state tile before its reductions over K. One token per request, K-first pools, no token_slots.
-
 The gate stays raw into the implementations (the Pallas kernel fuses it, where it costs nothing):
 `gate="softplus"` -exp(a_log) * softplus(g + dt_bias), `gate="bounded"` lower_bound * sigmoid(
 exp(a_log) * (g + dt_bias)), `gate="activated"` g is already the log decay.
@@ -35,10 +30,9 @@ from hybrax.core.validate import (
     check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
     check_shape, is_concrete,
 )
-from hybrax.ops.kda import pallas_decode, pallas_decode_deferred
+from hybrax.ops.kda import pallas_decode
 from hybrax.ops.kda.gate import activate_beta, fused_gate
-from hybrax.ops.kda.pallas_decode_deferred import Owed, materialize
-from hybrax.ops.kda.xla_scan import EXACT, decayed_update, delta_step, l2_normalize
+from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
 from hybrax.ops.pallas_shared import interpret_here
 
 OP_ID = "kda_decode_pool"
@@ -59,12 +53,7 @@ class KdaPoolProblem:
     """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] or [B, T, HV, 1] (raw, or the log decay when
     gate == "activated"); beta [B, T, HV] (logits when beta_is_logits); pool fp32 [S, HV, K, V]
     ([S, HV, V, K] when state_v_first); slots [B] int32; token_slots [B, T] int32 or None;
-    a_log [HV] or None; dt_bias [HV, K] or None; owed_key [S, HV, K] and owed_update [S, HV, V] of a deferred
-    pool or None."""
-
-    @property
-    def owed(self) -> Owed | None:
-        return None if self.owed_key is None else Owed(self.owed_key, self.owed_update)
+    a_log [HV] or None; dt_bias [HV, K] or None."""
 
     q: Float[Array, "B T H K"]
     k: Float[Array, "B T H K"]
@@ -76,8 +65,6 @@ class KdaPoolProblem:
     token_slots: Int[Array, "B T"] | None
     a_log: Float[Array, " HV"] | None
     dt_bias: Float[Array, "HV K"] | None
-    owed_key: Float[Array, "S HV K"] | None
-    owed_update: Float[Array, "S HV V"] | None
     scale: float = static_field()
     gate: str = static_field("activated")
     lower_bound: float | None = static_field(None)
@@ -124,23 +111,6 @@ def check_pool(pool: Any, value_heads: int, dk: int, dv: int, v_first: bool) -> 
     check_dtype("pool", pool, jnp.float32, "the recurrent state")
 
 
-def check_owed(owed: Any, pool: Any, length: int, token_slots: Any, v_first: bool) -> Owed:
-    """A deferred pool's owed updates: key [S, HV, K] and update [S, HV, V] fp32, for one-token K-first steps."""
-    if not isinstance(owed, tuple) or len(owed) != 2:
-        raise ValueError(f"owed must be an Owed (key, update) pair, got {type(owed).__name__}")
-    num_slots, heads, dk, dv = jnp.shape(pool)
-    key, update = owed
-    check_shape("owed.key", key, (num_slots, heads, dk), "[num_slots, num_value_heads, head_dim]")
-    check_shape("owed.update", update, (num_slots, heads, dv), "[num_slots, num_value_heads, v_head_dim]")
-    check_dtype("owed.key", key, jnp.float32, "the recurrent state")
-    check_dtype("owed.update", update, jnp.float32, "the recurrent state")
-    if length != 1 or token_slots is not None or v_first:
-        raise ValueError(f"a deferred pool (owed) takes one token per request into a K-first pool without "
-                         f"token_slots, got tokens={length}, token_slots={'set' if token_slots is not None else None}, "
-                         f"state_v_first={v_first}")
-    return Owed(key, update)
-
-
 def check_token_slots(token_slots: Any, slots: Any, num_slots: int) -> None:
     """The rows kept after each token (-1: none) of the requests with a valid slot, when concrete."""
     if is_concrete(slots) and is_concrete(token_slots):
@@ -156,7 +126,7 @@ class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, slots: Any, /, *, token_slots: Any = None,
         a_log: Any = None, dt_bias: Any = None, lower_bound: Any = None, gate: str = "activated",
         softmax_scale: float | None = None, beta_is_logits: bool = False, use_qk_l2norm: bool = True,
-        state_v_first: bool = False, owed: Any = None,
+        state_v_first: bool = False,
     ) -> KdaPoolProblem:
         check_rank("q", q, 4, "[batch, tokens, num_heads, head_dim]")
         check_shape("k", k, jnp.shape(q), "[batch, tokens, num_heads, head_dim] (q's shape)")
@@ -178,15 +148,12 @@ class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
             check_integer("token_slots", token_slots)
             check_token_slots(token_slots, slots, num_slots)
             token_slots = jnp.asarray(token_slots, jnp.int32)
-        if owed is not None:
-            owed = check_owed(owed, pool, length, token_slots, state_v_first)
-        owed_key, owed_update = (None, None) if owed is None else owed
         for name, array in (("q", q), ("k", k), ("v", v), ("beta", beta)):
             check_floating(name, array)
         scale = dk**-0.5 if softmax_scale is None else check_positive_number("softmax_scale", softmax_scale)
         return KdaPoolProblem(
             q=q, k=k, v=v, g=g, beta=beta, pool=pool, slots=jnp.asarray(slots, jnp.int32), token_slots=token_slots,
-            a_log=a_log, dt_bias=dt_bias, owed_key=owed_key, owed_update=owed_update, scale=float(scale), gate=gate,
+            a_log=a_log, dt_bias=dt_bias, scale=float(scale), gate=gate,
             lower_bound=None if lower_bound is None else float(lower_bound), beta_is_logits=bool(beta_is_logits),
             use_qk_l2norm=bool(use_qk_l2norm), state_v_first=bool(state_v_first),
         )
@@ -199,9 +166,7 @@ class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
         rows = jnp.arange(batch, dtype=jnp.int32)
         slots = jnp.where(rows < num_slots, rows, -1)
         token_slots = None if problem.token_slots is None else jnp.broadcast_to(slots[:, None], (batch, length))
-        owed = {} if problem.owed is None else {"owed_key": 0.1 * problem.owed_key,
-                                                 "owed_update": 0.1 * problem.owed_update}
-        return dataclasses.replace(problem, slots=slots, token_slots=token_slots, pool=0.1 * problem.pool, **owed)
+        return dataclasses.replace(problem, slots=slots, token_slots=token_slots, pool=0.1 * problem.pool)
 
 
 def swap_layout(states: jax.Array, v_first: bool) -> jax.Array:
@@ -218,10 +183,7 @@ def scatter_rows(pool: jax.Array, rows: jax.Array, states: jax.Array, v_first: b
 def _xla_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, jax.Array]:
     """Gather the rows, step token by token with the XLA delta step, scatter the rows back."""
     valid = problem.slots >= 0
-    rows = jnp.maximum(problem.slots, 0)
-    states = swap_layout(problem.pool[rows], problem.state_v_first)
-    if problem.owed is not None:
-        states = materialize(states, Owed(*(x[rows] for x in problem.owed)))
+    states = swap_layout(problem.pool[jnp.maximum(problem.slots, 0)], problem.state_v_first)
     decay = problem.g.astype(jnp.float32)
     if problem.gate != "activated":
         decay = fused_gate(decay, problem.a_log, problem.dt_bias, problem.lower_bound)
@@ -231,8 +193,6 @@ def _xla_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple
     if problem.use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     tokens = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, problem.v.astype(jnp.float32), beta, decay))
-    if problem.owed is not None:
-        return _xla_deferred_step(problem, states, *(x[0] for x in tokens))
 
     def body(state, token):
         o, state = delta_step(state, *token, problem.scale)
@@ -245,16 +205,6 @@ def _xla_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple
     keep = jnp.where(valid[:, None], problem.token_slots, -1)
     per_token = jnp.moveaxis(per_token, 0, 1).reshape(-1, *final.shape[1:])
     return o, scatter_rows(problem.pool, keep.reshape(-1), per_token, problem.state_v_first)
-
-
-def _xla_deferred_step(problem: KdaPoolProblem, states, q, k, v, beta, decay) -> tuple[jax.Array, jax.Array, Owed]:
-    """One token from the materialized rows: the decayed states go back as the base, (k, u) as owed."""
-    decayed, update = decayed_update(states, k, v, beta, decay)
-    o = jnp.einsum("...kv,...k->...v", decayed + k[..., :, None] * update[..., None, :], problem.scale * q,
-                   precision=EXACT)
-    o = jnp.where((problem.slots >= 0)[:, None, None], o, 0)[:, None].astype(problem.q.dtype)
-    owed = Owed(*(scatter_rows(owed, problem.slots, new, False) for owed, new in zip(problem.owed, (k, update))))
-    return o, scatter_rows(problem.pool, problem.slots, decayed, False), owed
 
 
 register(OP_ID, "xla", "gather_scatter", priority=10, heuristic_cfg=lambda inv: KdaDecodePoolConfig())(
@@ -279,14 +229,7 @@ def _pallas_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
 
 @register(OP_ID, "pallas", "fused_recurrent", priority=20, devices=("gpu",), supports=_pallas_supports,
           heuristic_cfg=_pallas_heuristic, candidate_cfgs=_pallas_candidates, gradient_of=_xla_pool_decode)
-def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, ...]:
-    if problem.owed is not None:
-        return pallas_decode_deferred.fused_recurrent_decode_deferred(
-            problem.q, problem.k, problem.v, problem.g, problem.beta, problem.pool, problem.owed, problem.slots,
-            problem.a_log, problem.dt_bias, scale=problem.scale, lower_bound=problem.lower_bound, gate=problem.gate,
-            beta_is_logits=problem.beta_is_logits, use_qk_l2norm=problem.use_qk_l2norm, block_v=cfg.block_v,
-            num_warps=cfg.num_warps, interpret=interpret_here(),
-        )
+def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, jax.Array]:
     return pallas_decode.fused_recurrent_decode(
         problem.q, problem.k, problem.v, problem.g, problem.beta, problem.pool, problem.slots, problem.token_slots,
         problem.a_log, problem.dt_bias, scale=problem.scale, lower_bound=problem.lower_bound, gate=problem.gate,
@@ -315,13 +258,11 @@ def kda_decode_pool(
     beta_is_logits: bool = False,
     use_qk_l2norm: bool = True,
     state_v_first: bool = False,
-    owed: Owed | None = None,
     platform: str | None = None,
     cfg: KdaDecodePoolConfig | None = None,
-) -> tuple[Any, ...]:
+) -> tuple[Float[Array, "batch tokens num_value_heads v_head_dim"], Float[Array, "num_slots num_value_heads d1 d2"]]:
     """Advance B requests by T tokens each from their pool rows; returns (output [B, T, HV, V] in q's
-    dtype, the updated pool), and the new owed updates when `owed` is given (a deferred pool: module doc).
-    Donate the pool (and owed) (jax.jit(..., donate_argnums=...)) to update it in place.
+    dtype, the updated pool). Donate the pool (jax.jit(..., donate_argnums=...)) to update it in place.
 
     slots [B] int32: the row each request reads (and, without token_slots, writes); -1: padded.
     Valid slots must be distinct. gate: "activated" (g is the log decay), "softplus" or "bounded"
@@ -330,5 +271,5 @@ def kda_decode_pool(
     return default_executor()(
         KdaDecodePool(), q, k, v, g, beta, pool, slots, token_slots=token_slots, a_log=a_log, dt_bias=dt_bias,
         lower_bound=lower_bound, gate=gate, softmax_scale=softmax_scale, beta_is_logits=beta_is_logits,
-        use_qk_l2norm=use_qk_l2norm, state_v_first=state_v_first, owed=owed, platform=platform, cfg=cfg,
+        use_qk_l2norm=use_qk_l2norm, state_v_first=state_v_first, platform=platform, cfg=cfg,
     )

@@ -36,22 +36,14 @@ def value_head_qk(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
     return jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2)
 
 
-def decayed_update(
-    state: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """One token's decayed state D S [..., K, V] and delta-rule update u = beta (v - (D S)^T k) [..., V]: the
-    new state is D S + k u^T."""
-    state = state * jnp.exp(decay)[..., None]
-    return state, beta[..., None] * (v - jnp.einsum("...kv,...k->...v", state, k, precision=EXACT))
-
-
 def delta_step(
     state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array, scale: float
 ) -> tuple[jax.Array, jax.Array]:
     """One token: state [..., K, V]; q, k [..., K]; v [..., V]; beta [...]; decay [..., K] or [..., 1].
     Returns (o [..., V], new state)."""
-    state, update = decayed_update(state, k, v, beta, decay)
-    state = state + k[..., :, None] * update[..., None, :]
+    state = state * jnp.exp(decay)[..., None]
+    error = v - jnp.einsum("...kv,...k->...v", state, k, precision=EXACT)
+    state = state + k[..., :, None] * (beta[..., None] * error)[..., None, :]
     return jnp.einsum("...kv,...k->...v", state, scale * q, precision=EXACT), state
 
 
