@@ -38,9 +38,6 @@ from timing import copy_bandwidth, print_table  # noqa: E402
 
 from hybrax import kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_decode import fused_recurrent_decode  # noqa: E402
-from hybrax.ops.kda.pallas_decode_deferred import (  # noqa: E402
-    fused_recurrent_decode_deferred, materialize, nothing_owed,
-)
 
 DIM = 128
 LOWER_BOUND = -5.0
@@ -78,28 +75,6 @@ def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
         q, k, v, g, beta, state, slots, a_log=a_log, dt_bias=dt_bias, scale=q.shape[-1] ** -0.5,
         lower_bound=LOWER_BOUND, gate="bounded", beta_is_logits=True, state_v_first=state_v_first, **launch,
     )
-
-
-def deferred_step(inputs, carried, **launch):
-    """The step with its rank-1 update deferred (`pallas_decode_deferred.py`): carried = (base, owed)."""
-    q, k, v, g, beta, a_log, dt_bias = inputs
-    o, base, owed = fused_recurrent_decode_deferred(
-        q, k, v, g, beta, *carried, a_log=a_log, dt_bias=dt_bias, scale=q.shape[-1] ** -0.5,
-        lower_bound=LOWER_BOUND, gate="bounded", beta_is_logits=True, **launch,
-    )
-    return o, (base, owed)
-
-
-def deferred_error(inputs, state, interpret: bool, steps: int = 3) -> float:
-    """Worst relative error of the deferred step's outputs and materialized state against the library step's
-    over `steps` chained steps (fresh inputs each)."""
-    carried, worst = (state, nothing_owed(state)), 0.0
-    for seed in range(steps):
-        step_inputs = make_inputs(1000 + seed, *state.shape[:2], state.shape[-1])[0]
-        o, state = pallas_step(step_inputs, state, interpret=interpret)
-        o_deferred, carried = deferred_step(step_inputs, carried, interpret=interpret)
-        worst = max(worst, rel(o_deferred, o), rel(materialize(*carried), state))
-    return worst
 
 
 def xla_step(inputs, state):
@@ -219,7 +194,6 @@ def check(batch, heads, inputs, state, fla, launch, v_first: bool) -> dict:
 
 def bench_case(
     batch: int, heads: int, steps: int, with_fla: bool, variants, interpret: bool, extras: bool, v_first: bool,
-    deferred: bool = False,
 ) -> dict:
     """One (B, H): the check, then every launch in `variants` with the state in the chosen layout (fla too),
     the stream floor, and with `extras` the pool by slot and the XLA step (K-first only)."""
@@ -240,16 +214,6 @@ def bench_case(
     if failed:
         row["failed"] = failed
     variant, best = min(timings.items(), key=lambda item: item[1])
-    if deferred and not v_first:
-        row["err_deferred"] = deferred_error(inputs, state, interpret)
-        carried, deferred_times = (state, nothing_owed(state)), {}
-        for launch in variants:
-            step = functools.partial(deferred_step, interpret=interpret, **launch_of(launch))
-            deferred_times[variant_name(launch)], carried = time_loop(decode_loop(step, steps), carried, inputs, steps)
-        state = carried[0]
-        row["deferred_sweep_us"] = {name: round(t * 1e6, 2) for name, t in deferred_times.items()}
-        row["deferred_cfg"], row["deferred_us"] = min(((n, t * 1e6) for n, t in deferred_times.items()),
-                                                      key=lambda item: item[1])
     stream_seconds, state = time_loop(decode_loop(stream_step, steps), state, inputs, steps)
     row["stream_us"] = stream_seconds * 1e6
     row["sweep_us"] = {variant_name(variant): round(t * 1e6, 2) for variant, t in timings.items()}
@@ -283,7 +247,6 @@ def main() -> None:
     parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
     parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")
-    parser.add_argument("--deferred", action="store_true", help="also time the deferred step over the launches")
     parser.add_argument("--cases", help="requests x heads to run instead of CASES, e.g. 7x32,8x32 (a program wave "
                         "at B = 8: 924 of the 1024 programs of 32 columns fit on the H200 at once, all at B = 7)")
     args = parser.parse_args()
@@ -302,15 +265,12 @@ def main() -> None:
     copy = copy_bandwidth() if not args.smoke else float("nan")
     rows = []
     for batch, heads in cases:
-        row = bench_case(batch, heads, steps[batch], with_fla, variants, args.smoke, not args.no_extras, args.v_first,
-                         args.deferred)
+        row = bench_case(batch, heads, steps[batch], with_fla, variants, args.smoke, not args.no_extras, args.v_first)
         bandwidth = row["state_bytes"] / (row["ours_us"] * 1e-6)
         row.update({"TB/s": round(bandwidth / 1e12, 2), "%copy": round(100 * bandwidth / copy, 1)})
         if with_fla and "fla_graph_us" in row:
             row["x_fla_eager"] = round(row["fla_eager_us"] / row["ours_us"], 2)
             row["x_fla_graph"] = round(row["fla_graph_us"] / row["ours_us"], 2)
-            if "deferred_us" in row:
-                row["deferred_x_fla_graph"] = round(row["fla_graph_us"] / row["deferred_us"], 2)
             row["fla_graph_TB/s"] = round(row["state_bytes"] / (row["fla_graph_us"] * 1e-6) / 1e12, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -318,18 +278,14 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_decode_gpu.json"), "w") as f:
             json.dump({"copy_TBps": copy / 1e12, "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
     for row in rows:
-        if "deferred_us" in row:
-            row["deferred_%copy"] = round(100 * row["state_bytes"] / (row["deferred_us"] * 1e-6) / copy, 1)
-        for key in ("ours_us", "stream_us", "pool_us", "vfirst_us", "xla_us", "fla_eager_us", "fla_graph_us",
-                    "deferred_us"):
+        for key in ("ours_us", "stream_us", "pool_us", "vfirst_us", "xla_us", "fla_eager_us", "fla_graph_us"):
             if key in row:
                 row[key] = round(row[key], 2)
         row["max_err"] = f"{max(v for k, v in row.items() if k.startswith('err')):.1e}"
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
-    print_table(rows, ["B", "H", "layout", "cfg", "ours_us", "TB/s", "%copy", "deferred_cfg", "deferred_us",
-                       "deferred_%copy", "stream_us", "pool_us", "vfirst_us",
+    print_table(rows, ["B", "H", "layout", "cfg", "ours_us", "TB/s", "%copy", "stream_us", "pool_us", "vfirst_us",
                        "xla_us", "fla_eager_us", "fla_graph_us", "fla_graph_TB/s", "x_fla_eager", "x_fla_graph",
-                       "deferred_x_fla_graph", "max_err"])
+                       "max_err"])
 
 
 if __name__ == "__main__":

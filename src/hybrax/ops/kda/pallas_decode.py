@@ -41,7 +41,7 @@ GATES = ("activated", "softplus", "bounded")
 MAX_UNROLLED_TOKENS = 8
 
 
-def fused_log_decay(raw, a_log, dt_bias, lower_bound, gate: str):
+def _log_decay(raw, a_log, dt_bias, lower_bound, gate: str):
     """The in-kernel copy of `gate.fused_gate` for one (token, value head): raw [K] or [1] -> [K] or [1];
     a_log and dt_bias that value head's (or None)."""
     if gate == "activated":
@@ -52,24 +52,6 @@ def fused_log_decay(raw, a_log, dt_bias, lower_bound, gate: str):
     if gate == "softplus":
         return -rate * jax.nn.softplus(raw)
     return lower_bound * jax.nn.sigmoid(rate * raw)
-
-
-def load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, head, group: int, cols):
-    """Request b's token t: q, k, v (the value block `cols`), raw gate and beta in fp32. Loaded before any
-    arithmetic: ptxas moves no load across the barriers of the reductions over K, so each load issued after one
-    waited out a whole memory round trip of its own (four of them per step)."""
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return (
-        f32(q_ref[b, t, head // group, :]), f32(k_ref[b, t, head // group, :]), f32(v_ref[b, t, head, cols]),
-        f32(g_ref[b, t, head, :]), f32(beta_ref[b, t, head]),
-    )
-
-
-def gate_params(a_log_ref, dt_bias_ref, head):
-    """The fused gate's a_log and dt_bias of one value head in fp32 (None where the call has none)."""
-    a_log = None if a_log_ref is None else a_log_ref[head].astype(jnp.float32)
-    dt_bias = None if dt_bias_ref is None else dt_bias_ref[head, :].astype(jnp.float32)
-    return a_log, dt_bias
 
 
 def _decode_kernel(
@@ -95,16 +77,24 @@ def _decode_kernel(
         return state_ref.at[row, head, cols, :] if v_first else state_ref.at[row, head, :, cols]
 
     def token_inputs(t):
-        return load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, head, group, cols)
+        """Token t's q, k, v, raw gate and beta in fp32. Loaded before any arithmetic: ptxas moves no load
+        across the barriers of the reductions over K, so each load issued after one waited out a whole memory
+        round trip of its own (four of them per step)."""
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        return (
+            f32(q_ref[b, t, head // group, :]), f32(k_ref[b, t, head // group, :]), f32(v_ref[b, t, head, cols]),
+            f32(g_ref[b, t, head, :]), f32(beta_ref[b, t, head]),
+        )
 
-    a_log, dt_bias = gate_params(a_log_ref, dt_bias_ref, head)
+    a_log = None if a_log_ref is None else a_log_ref[head].astype(jnp.float32)
+    dt_bias = None if dt_bias_ref is None else dt_bias_ref[head, :].astype(jnp.float32)
 
     def token_step(t, state, inputs=None):
         """Token t from the state: (the new state, the output [BV] in fp32)."""
         q, k, v, raw_gate, beta = token_inputs(t) if inputs is None else inputs
-        q, k, k_dot_q = normalized_with_dot(q, k, scale, use_qk_l2norm)
+        q, k, k_dot_q = _normalized_with_dot(q, k, scale, use_qk_l2norm)
         beta = jax.nn.sigmoid(beta) if beta_is_logits else beta
-        state = state * along_keys(jnp.exp(fused_log_decay(raw_gate, a_log, dt_bias, lower_bound, gate)))
+        state = state * along_keys(jnp.exp(_log_decay(raw_gate, a_log, dt_bias, lower_bound, gate)))
         # Both reductions over K from the decayed state: o = S_new^T q = S'^T q + (k . q) beta e, so the
         # output's reduction does not wait for the update. Kept as two sums: stacked into one [K, BV, 2]
         # reduction they doubled the registers (230 at bv64 w4, 2 programs per SM) and ran 10-25% slower
@@ -162,7 +152,7 @@ def _decode_kernel(
             store_output(t, jnp.zeros((block_v,), jnp.float32))
 
 
-def normalized_with_dot(q, k, scale, use_qk_l2norm: bool):
+def _normalized_with_dot(q, k, scale, use_qk_l2norm: bool):
     """(q scaled, k, k . q), q and k L2-normalized first when asked. The squared norms and k . q come from
     the raw vectors in one stacked reduction (its barriers paid once), then rescale. The sums stay [1]
     vectors: Triton's split of a [2] gives 0-d tensors that its scalar arithmetic does not take."""
