@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -30,6 +31,11 @@ def normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32, scale: f
 
 def to64(x: Any) -> np.ndarray | None:
     return None if x is None else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def on_h200(invocation: Any) -> Any:
+    """The same invocation as an H200 call would build it (which implementations `auto` may take there)."""
+    return dataclasses.replace(invocation, device="gpu", device_kind="NVIDIA H200")
 
 
 def lower_for_h200(fn, *args) -> str:

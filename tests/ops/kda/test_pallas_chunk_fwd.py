@@ -6,7 +6,6 @@ pipeline to Triton IR for an H200 (no GPU needed), so an unsupported primitive f
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -27,7 +26,7 @@ from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
 from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
 from hybrax.ops.kda.pallas_tiles import PackedChunks
 from hybrax.ops.pallas_shared import EXACT
-from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
+from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, on_h200, to64
 
 
 def inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, hard_gates=False, fast_gates=False):
@@ -207,8 +206,7 @@ def test_auto_on_a_gpu(length, dim, packed, chosen):
     cu_seqlens = jnp.array([0, length // 2, length], jnp.int32) if packed else None
     kernel = api.KernelDeltaAttention()
     inv = kernel.invocation(kernel.prepare(q, k, v, beta, g, cu_seqlens=cu_seqlens))
-    on_gpu = dataclasses.replace(inv, device="gpu", device_kind="NVIDIA H200")
-    assert kernel.implementations(on_gpu)[0].name == chosen
+    assert kernel.implementations(on_h200(inv))[0].name == chosen
 
 
 def abstract_inputs(dtype, packed: bool, dim: int = 128) -> list:

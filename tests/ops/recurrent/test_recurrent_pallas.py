@@ -5,15 +5,13 @@ test_recurrent_gradients.py."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import pytest
 
 from hybrax import recurrent_attention
 from hybrax.ops.recurrent.api import RecurrentAttention
 from hybrax.ops.recurrent.reference import recurrent_reference
-from tests.helpers import TOLERANCE, assert_close
+from tests.helpers import TOLERANCE, assert_close, on_h200
 from tests.ops.recurrent.inputs import PALLAS, make_call
 
 CASES = {
@@ -69,7 +67,7 @@ def test_auto_on_a_gpu(options, chosen):
     call = make_call(7, **options)
     kernel = RecurrentAttention()
     inv = kernel.invocation(kernel.prepare(*call.args(), reverse=call.reverse))
-    assert kernel.implementations(dataclasses.replace(inv, device="gpu", device_kind="NVIDIA H200"))[0].name == chosen
+    assert kernel.implementations(on_h200(inv))[0].name == chosen
     assert kernel.implementations(inv)[0].name == "xla:chunked"
 
 
