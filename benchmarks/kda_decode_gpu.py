@@ -15,7 +15,9 @@ full size: ours against hybrax's XLA step and against fla on the same inputs. Th
 2 * B * H * K * V * 4 bytes per step; the ceiling is a measured 1 GiB device-to-device copy, and
 `stream_us` the same loop moving the state in place with nothing else (S = 0.999 S): the floor of a step
 at that size (at B <= 8 the state stays in the L2 cache, where the copy's bandwidth says nothing).
-`--smoke` runs tiny shapes on the CPU in interpret mode (the script's own check).
+`--cuda 32x4,64x4` also times the CUDA kernel (`cuda_decode.cu`, K-first state) at those block_v x num_warps
+launches, after checking each against the XLA step. `--smoke` runs tiny shapes on the CPU in interpret mode
+(the script's own check).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import copy_bandwidth, print_table  # noqa: E402
 
 from hybrax import kernel_delta_attention  # noqa: E402
+from hybrax.ops.kda.cuda_decode import fused_recurrent_decode_cuda  # noqa: E402
 from hybrax.ops.kda.pallas_decode import fused_recurrent_decode  # noqa: E402
 
 DIM = 128
@@ -74,6 +77,14 @@ def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
     return fused_recurrent_decode(
         q, k, v, g, beta, state, slots, a_log=a_log, dt_bias=dt_bias, scale=q.shape[-1] ** -0.5,
         lower_bound=LOWER_BOUND, gate="bounded", beta_is_logits=True, state_v_first=state_v_first, **launch,
+    )
+
+
+def cuda_step(inputs, state, slots=None, **launch):
+    q, k, v, g, beta, a_log, dt_bias = inputs
+    return fused_recurrent_decode_cuda(
+        q, k, v, g, beta, state, slots, a_log=a_log, dt_bias=dt_bias, scale=q.shape[-1] ** -0.5,
+        lower_bound=LOWER_BOUND, gate="bounded", beta_is_logits=True, **launch,
     )
 
 
@@ -174,8 +185,9 @@ class Fla:
         return statistics.median(times)
 
 
-def check(batch, heads, inputs, state, fla, launch, v_first: bool) -> dict:
-    """One step at full size: ours vs the XLA step, vs fla, and the slot-pool and other-layout forms vs ours."""
+def check(batch, heads, inputs, state, fla, launch, v_first: bool, cuda_launches) -> dict:
+    """One step at full size: ours vs the XLA step, vs fla, the slot-pool and other-layout forms vs ours, and each
+    CUDA launch (and its pool form) vs the XLA step."""
     transpose = lambda state: jnp.swapaxes(state, 2, 3)  # noqa: E731  (V-first <-> K-first)
     o, new = pallas_step(inputs, state, state_v_first=v_first, **launch)
     o_xla, new_xla = xla_step(inputs, transpose(state) if v_first else state)
@@ -186,6 +198,12 @@ def check(batch, heads, inputs, state, fla, launch, v_first: bool) -> dict:
     errors["err_pool"] = max(rel(o_pool, o), rel(pool[perm], new))
     o_other, new_other = pallas_step(inputs, transpose(state), state_v_first=not v_first, **launch)
     errors["err_other_layout"] = max(rel(o_other, o), rel(transpose(new_other), new))
+    for launch_cuda in cuda_launches:
+        o_cuda, new_cuda = cuda_step(inputs, state, **launch_of(launch_cuda))
+        errors[f"err_cuda_{variant_name(launch_cuda)}"] = max(rel(o_cuda, o_xla), rel(new_cuda, new_xla))
+        pool = jnp.zeros_like(state).at[perm].set(state)
+        o_pool, pool = cuda_step(inputs, pool, perm, **launch_of(launch_cuda))
+        errors[f"err_cuda_pool_{variant_name(launch_cuda)}"] = max(rel(o_pool, o_xla), rel(pool[perm], new_xla))
     if fla is not None:
         o_fla, new_fla = fla.one_step()
         errors["err_o_vs_fla"], errors["err_S_vs_fla"] = rel(o, o_fla), rel(new, new_fla)
@@ -194,6 +212,7 @@ def check(batch, heads, inputs, state, fla, launch, v_first: bool) -> dict:
 
 def bench_case(
     batch: int, heads: int, steps: int, with_fla: bool, variants, interpret: bool, extras: bool, v_first: bool,
+    cuda_launches=(),
 ) -> dict:
     """One (B, H): the check, then every launch in `variants` with the state in the chosen layout (fla too),
     the stream floor, and with `extras` the pool by slot and the XLA step (K-first only)."""
@@ -203,7 +222,7 @@ def bench_case(
     fla = Fla(inputs, state, state_v_first=v_first) if with_fla else None
     row = {"B": batch, "H": heads, "layout": "V-first" if v_first else "K-first"}
     check_launch = {"block_v": 32, "num_warps": 4, "interpret": interpret}
-    row.update(check(batch, heads, inputs, state, fla, check_launch, v_first))
+    row.update(check(batch, heads, inputs, state, fla, check_launch, v_first, cuda_launches))
     timings, failed = {}, {}
     for variant in variants:
         step = functools.partial(pallas_step, state_v_first=v_first, interpret=interpret, **launch_of(variant))
@@ -211,6 +230,17 @@ def bench_case(
             timings[variant], state = time_loop(decode_loop(step, steps), state, inputs, steps)
         except Exception as exc:  # a launch that does not compile must not cost the sweep its other launches
             failed[variant_name(variant)] = f"{type(exc).__name__}: {exc}"[:200]
+    cuda_timings = {}
+    for variant in cuda_launches:
+        step = functools.partial(cuda_step, **launch_of(variant))
+        try:
+            cuda_timings[variant], state = time_loop(decode_loop(step, steps), state, inputs, steps)
+        except Exception as exc:
+            failed["cuda_" + variant_name(variant)] = f"{type(exc).__name__}: {exc}"[:200]
+    if cuda_timings:
+        variant, best_cuda = min(cuda_timings.items(), key=lambda item: item[1])
+        row["cuda_sweep_us"] = {variant_name(v): round(t * 1e6, 2) for v, t in cuda_timings.items()}
+        row["cuda_us"], row["cuda_cfg"] = best_cuda * 1e6, variant_name(variant)
     if failed:
         row["failed"] = failed
     variant, best = min(timings.items(), key=lambda item: item[1])
@@ -245,12 +275,17 @@ def main() -> None:
     parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 "
                         "(default: VARIANTS)")
     parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
+    parser.add_argument("--cuda", help="the CUDA kernel's block_v x num_warps launches to time too, e.g. 32x4,64x4")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
     parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")
     parser.add_argument("--cases", help="requests x heads to run instead of CASES, e.g. 7x32,8x32 (a program wave "
                         "at B = 8: 924 of the 1024 programs of 32 columns fit on the H200 at once, all at B = 7)")
     args = parser.parse_args()
-    variants = VARIANTS
+    variants, cuda_launches = VARIANTS, ()
+    if args.cuda and (args.v_first or args.smoke):
+        parser.error("--cuda takes the K-first state on a GPU (not --v-first or --smoke)")
+    if args.cuda:
+        cuda_launches = [tuple(int(n) for n in c.split("x")) for c in args.cuda.split(",")]
     if args.configs:
         variants = [tuple(int(n) for n in c.split("x")) for c in args.configs.split(",")]
     if args.smoke:
@@ -265,12 +300,17 @@ def main() -> None:
     copy = copy_bandwidth() if not args.smoke else float("nan")
     rows = []
     for batch, heads in cases:
-        row = bench_case(batch, heads, steps[batch], with_fla, variants, args.smoke, not args.no_extras, args.v_first)
+        row = bench_case(batch, heads, steps[batch], with_fla, variants, args.smoke, not args.no_extras, args.v_first,
+                         cuda_launches)
         bandwidth = row["state_bytes"] / (row["ours_us"] * 1e-6)
         row.update({"TB/s": round(bandwidth / 1e12, 2), "%copy": round(100 * bandwidth / copy, 1)})
+        if "cuda_us" in row:
+            row["cuda_%copy"] = round(100 * row["state_bytes"] / (row["cuda_us"] * 1e-6) / copy, 1)
         if with_fla and "fla_graph_us" in row:
             row["x_fla_eager"] = round(row["fla_eager_us"] / row["ours_us"], 2)
             row["x_fla_graph"] = round(row["fla_graph_us"] / row["ours_us"], 2)
+            if "cuda_us" in row:
+                row["cuda_x_fla_graph"] = round(row["fla_graph_us"] / row["cuda_us"], 2)
             row["fla_graph_TB/s"] = round(row["state_bytes"] / (row["fla_graph_us"] * 1e-6) / 1e12, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -278,12 +318,13 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_decode_gpu.json"), "w") as f:
             json.dump({"copy_TBps": copy / 1e12, "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
     for row in rows:
-        for key in ("ours_us", "stream_us", "pool_us", "vfirst_us", "xla_us", "fla_eager_us", "fla_graph_us"):
+        for key in ("ours_us", "cuda_us", "stream_us", "pool_us", "vfirst_us", "xla_us", "fla_eager_us", "fla_graph_us"):
             if key in row:
                 row[key] = round(row[key], 2)
         row["max_err"] = f"{max(v for k, v in row.items() if k.startswith('err')):.1e}"
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
-    print_table(rows, ["B", "H", "layout", "cfg", "ours_us", "TB/s", "%copy", "stream_us", "pool_us", "vfirst_us",
+    print_table(rows, ["B", "H", "layout", "cfg", "ours_us", "TB/s", "%copy", "cuda_cfg", "cuda_us", "cuda_%copy",
+                       "cuda_x_fla_graph", "stream_us", "pool_us", "vfirst_us",
                        "xla_us", "fla_eager_us", "fla_graph_us", "fla_graph_TB/s", "x_fla_eager", "x_fla_graph",
                        "max_err"])
 

@@ -9,7 +9,7 @@ kept; no row named twice), so a verifier can resume from any accepted token; wit
 slots[b]. Rows no request names stay bit-for-bit unchanged, and the pool is updated in place when
 the caller donates it.
 
-The gate stays raw into the implementations (the Pallas kernel fuses it, where it costs nothing):
+The gate stays raw into the implementations (the GPU kernels fuse it, where it costs nothing):
 `gate="softplus"` -exp(a_log) * softplus(g + dt_bias), `gate="bounded"` lower_bound * sigmoid(
 exp(a_log) * (g + dt_bias)), `gate="activated"` g is already the log decay.
 """
@@ -30,7 +30,8 @@ from hybrax.core.validate import (
     check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
     check_shape, is_concrete,
 )
-from hybrax.ops.kda import pallas_decode
+from hybrax.ops import cuda_build
+from hybrax.ops.kda import cuda_decode, pallas_decode
 from hybrax.ops.kda.gate import activate_beta, fused_gate
 from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
 from hybrax.ops.pallas_shared import interpret_here
@@ -41,8 +42,8 @@ GATES = pallas_decode.GATES
 
 @dataclasses.dataclass(frozen=True)
 class KdaDecodePoolConfig(KernelConfig):
-    """Speed knobs of the Pallas kernel: value columns per program and warps per program (see
-    `pallas_decode.fused_recurrent_decode`)."""
+    """Speed knobs of the GPU kernels: value columns and warps per program (Pallas) or block (CUDA); see
+    `pallas_decode.fused_recurrent_decode` and `cuda_decode.fused_recurrent_decode_cuda`."""
 
     block_v: int = 32
     num_warps: int = 4
@@ -236,6 +237,31 @@ def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tu
         beta_is_logits=problem.beta_is_logits, use_qk_l2norm=problem.use_qk_l2norm,
         state_v_first=problem.state_v_first, block_v=cfg.block_v, num_warps=cfg.num_warps,
         interpret=interpret_here(),
+    )
+
+
+def _cuda_supports(inv: Invocation) -> str | None:
+    if inv.arrays["token_slots"] is not None or inv.static["state_v_first"]:
+        return "takes neither token_slots nor the V-first pool (the Pallas kernel does)"
+    reason = cuda_decode.shape_reason(inv.arrays["q"].shape[1], inv.arrays["q"].shape[3], inv.arrays["v"].shape[3])
+    return reason or cuda_build.unavailable_reason(inv.device)
+
+
+def _cuda_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
+    dv = inv.arrays["v"].shape[3]
+    return [KdaDecodePoolConfig(block_v=bv, num_warps=w) for bv, w in cuda_decode.LAUNCHES if dv % bv == 0]
+
+
+@register(OP_ID, "cuda", "fused_recurrent", priority=30, devices=("gpu",), supports=_cuda_supports,
+          heuristic_cfg=lambda inv: KdaDecodePoolConfig(**cuda_decode.launch_params(
+              inv.arrays["v"].shape[0] * inv.arrays["v"].shape[2], inv.arrays["v"].shape[3])),
+          candidate_cfgs=_cuda_candidates, gradient_of=_xla_pool_decode)
+def _cuda_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, jax.Array]:
+    return cuda_decode.fused_recurrent_decode_cuda(
+        problem.q, problem.k, problem.v, problem.g, problem.beta, problem.pool, problem.slots, problem.a_log,
+        problem.dt_bias, scale=problem.scale, lower_bound=problem.lower_bound, gate=problem.gate,
+        beta_is_logits=problem.beta_is_logits, use_qk_l2norm=problem.use_qk_l2norm, block_v=cfg.block_v,
+        num_warps=cfg.num_warps,
     )
 
 

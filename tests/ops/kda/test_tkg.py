@@ -43,7 +43,7 @@ def heads_first(args):
 
 def pallas_step(args):
     """The GPU path (the fused decode kernel, scale and lower_bound as arrays), in interpret mode."""
-    return tkg._pallas_step(*heads_first(args), interpret=True)
+    return tkg._fused_step(*heads_first(args), "pallas", interpret=True)
 
 
 def test_signature_is_the_seeds():
@@ -80,7 +80,8 @@ def test_pallas_step_gradients_match_float64():
         out, state = outputs
         return jnp.sum(jnp.sin(out)) + jnp.sum(state ** 2)
 
-    got = jax.grad(lambda *a: loss_of(tkg._pallas_step(*a, *args[9:], interpret=True)), argnums=range(8))(*arrays)
+    fused = lambda *a: tkg._fused_step(*a, *args[9:], "pallas", interpret=True)  # noqa: E731
+    got = jax.grad(lambda *a: loss_of(fused(*a)), argnums=range(8))(*arrays)
     with jax.enable_x64(True):
         def oracle(q, k, v, g, beta, a_log, dt_bias, state):
             return kda64(q, k, v, beta, g, state, a_log, dt_bias, lower_bound=lower_bound, beta_is_logits=True,

@@ -246,7 +246,8 @@ def kernel_delta_attention(
 
 kda_attention = kernel_delta_attention
 
-# Backends register themselves on import. XLA first; GPU kernels (pallas_*.py) add their import here.
+# Backends register themselves on import. XLA first; GPU kernels (pallas_*.py, cuda_*.py) add their import here.
 from hybrax.ops.kda import xla_chunked, xla_scan  # noqa: E402,F401
 from hybrax.ops.kda import pallas_chunked  # noqa: E402,F401
 from hybrax.ops.kda import pallas_decode  # noqa: E402,F401
+from hybrax.ops.kda import cuda_decode  # noqa: E402,F401

@@ -10,7 +10,8 @@ JAX arrays are immutable: the step returns the new state. Under `jax.jit(kda_tkg
 donate_argnums=8)` the new state takes S's buffer (in place). `out` is the seed's caller-allocated
 destination: its shape is checked and its dtype is the output's.
 
-On a GPU the step is the fused Pallas decode kernel (`pallas_decode`); elsewhere the XLA step.
+On a GPU the step is the fused CUDA decode kernel (`cuda_decode`, where nvcc can build it) or the fused Pallas
+one (`pallas_decode`); elsewhere the XLA step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from hybrax.core.validate import check_floating, check_rank, check_shape, is_concrete
-from hybrax.ops.kda import pallas_decode
+from hybrax.ops import cuda_build
+from hybrax.ops.kda import cuda_decode, pallas_decode
 from hybrax.ops.kda.gate import fused_gate
 from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
 from hybrax.ops.pallas_shared import interpret_here
@@ -62,28 +64,34 @@ def _xla_step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound) -> tuple[
     return delta_step(S, q, k, v[:, 0].astype(jnp.float32), jax.nn.sigmoid(beta[:, 0]), decay, scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _pallas_step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound, interpret: bool = False):
-    """The same step through the fused Pallas decode kernel (gate, beta, L2 norm and scale inside)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _fused_step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound, kernel: str, interpret: bool = False):
+    """The same step through a fused decode kernel, "cuda" or "pallas" (gate, beta, L2 norm and scale inside)."""
     batch, _, heads, dv = v.shape
-    o, state = pallas_decode.fused_recurrent_decode(
-        q, k, v, g, beta, S, a_log=a_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
-        gate="bounded", beta_is_logits=True, interpret=interpret, **pallas_decode.launch_params(batch * heads, dv),
-    )
+    fused = {"gate": "bounded", "beta_is_logits": True, "scale": scale, "lower_bound": lower_bound}
+    if kernel == "cuda":
+        o, state = cuda_decode.fused_recurrent_decode_cuda(
+            q, k, v, g, beta, S, a_log=a_log, dt_bias=dt_bias, **fused, **cuda_decode.launch_params(batch * heads, dv),
+        )
+    else:
+        o, state = pallas_decode.fused_recurrent_decode(
+            q, k, v, g, beta, S, a_log=a_log, dt_bias=dt_bias, interpret=interpret, **fused,
+            **pallas_decode.launch_params(batch * heads, dv),
+        )
     return o[:, 0], state
 
 
-def _pallas_step_fwd(*args):
-    return _pallas_step(*args), args[:10]
+def _fused_step_fwd(*args):
+    return _fused_step(*args), args[:10]
 
 
-def _pallas_step_bwd(interpret: bool, args: tuple, cotangent: tuple) -> tuple:
+def _fused_step_bwd(kernel: str, interpret: bool, args: tuple, cotangent: tuple) -> tuple:
     """The XLA step's gradient: the kernel updates the state in place and has no backward; decode never trains,
     but `jax.grad` through a step still works."""
     return jax.vjp(_xla_step, *args)[1](cotangent)
 
 
-_pallas_step.defvjp(_pallas_step_fwd, _pallas_step_bwd)
+_fused_step.defvjp(_fused_step_fwd, _fused_step_bwd)
 
 
 def kda_tkg(
@@ -105,6 +113,11 @@ def kda_tkg(
     dv = jnp.shape(v)[2]
     q, k, g = (jnp.swapaxes(x, 1, 2)[:, None] for x in (q, k, g))  # [B, 1, H, dk]
     v, a_log, dt_bias = v[:, None], jnp.reshape(a_log, (heads,)), jnp.transpose(dt_bias)
-    step = _xla_step if interpret_here() or pallas_decode.tile_reason(dk, dv) else _pallas_step
-    o, state = step(q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound)
+    args = (q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound)
+    if cuda_decode.shape_reason(1, dk, dv) is None and cuda_build.unavailable_reason(jax.default_backend()) is None:
+        o, state = _fused_step(*args, "cuda")
+    elif interpret_here() or pallas_decode.tile_reason(dk, dv):
+        o, state = _xla_step(*args)
+    else:
+        o, state = _fused_step(*args, "pallas")
     return o.astype(jnp.result_type(out)), state

@@ -1,0 +1,125 @@
+"""KDA decode on NVIDIA GPUs in CUDA C++ (`cuda_decode.cu`, built with nvcc at first use): the fused step of
+`pallas_decode`, one token per request, the state in place.
+
+Registered under platform "cuda" for `kernel_delta_attention`'s T = 1 path and for `kda_decode_pool`, above the
+Pallas kernel: on the H200 it streams the state faster (BENCHMARKS.md). It takes one token per request, the
+K-first state and K in {64, 128} with V a multiple of 32; speculative decoding (T > 1, token_slots) and the
+V-first pool stay with the Pallas kernel. Without a GPU or nvcc it declines (`cuda_build.unavailable_reason`).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from hybrax.core import Invocation, register
+from hybrax.ops import cuda_build
+from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.pallas_decode import GATES
+from hybrax.ops.kda.xla_scan import kda_single_step
+
+SOURCE = Path(__file__).with_name("cuda_decode.cu")
+TARGET = "hybrax_kda_decode"
+KEY_DIMS = (64, 128)
+# (block_v, num_warps) the .cu file instantiates: value columns and warps (32 threads each) per block.
+LAUNCHES = ((32, 2), (32, 4), (64, 4), (64, 8), (128, 8))
+
+
+def shape_reason(tokens: int, dk: int, dv: int) -> str | None:
+    """Why the kernel cannot take this step's shapes, or None."""
+    if tokens != 1:
+        return f"takes one token per request (decode), got {tokens}"
+    if dk not in KEY_DIMS or dv % 32:
+        return f"needs K in {KEY_DIMS} and V a multiple of 32, got K={dk}, V={dv}"
+    return None
+
+
+def launch_params(rows: int, dv: int) -> dict[str, int]:
+    """block_v and num_warps for `rows` = requests x value heads: 64 columns on 4 warps once the grid fills the
+    GPU several times over, 32 columns below (more, smaller blocks)."""
+    block_v = 64 if dv % 64 == 0 and rows * (dv // 64) >= 4096 else 32
+    return {"block_v": block_v, "num_warps": 4}
+
+
+def _library() -> None:
+    cuda_build.load_library(SOURCE, ((TARGET, "HybraxKdaDecode"),))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps"),
+)
+def fused_recurrent_decode_cuda(
+    q: Float[Array, "B 1 H K"],
+    k: Float[Array, "B 1 H K"],
+    v: Float[Array, "B 1 HV V"],
+    g: Float[Array, "B 1 HV Kg"],
+    beta: Float[Array, "B 1 HV"],
+    state: Float[Array, "S HV K V"],
+    slots: Int[Array, " B"] | None = None,
+    a_log: Float[Array, " HV"] | None = None,
+    dt_bias: Float[Array, "HV K"] | None = None,
+    *,
+    scale: Any,
+    lower_bound: Any = None,
+    gate: str = "activated",
+    beta_is_logits: bool = False,
+    use_qk_l2norm: bool = True,
+    block_v: int = 32,
+    num_warps: int = 4,
+) -> tuple[Float[Array, "B 1 HV V"], Float[Array, "S HV K V"]]:
+    """One token for each of B requests; returns (o in q's dtype, the new state). Arguments as
+    `pallas_decode.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b."""
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    batch, tokens, value_heads, dv = v.shape
+    dk = q.shape[-1]
+    reason = shape_reason(tokens, dk, dv)
+    if reason:
+        raise ValueError(f"fused_recurrent_decode_cuda {reason}")
+    if (block_v, num_warps) not in LAUNCHES or dv % block_v:
+        raise ValueError(f"(block_v, num_warps) must be one of {LAUNCHES} with block_v dividing V={dv}, "
+                         f"got ({block_v}, {num_warps})")
+    _library()
+    dtype = jnp.result_type(q, k, v)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    scalars = jnp.stack([f32(scale).reshape(()), f32(0.0 if lower_bound is None else lower_bound).reshape(())])
+    slots = jnp.arange(batch, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
+    # Constants where a gate has no a_log or dt_bias: XLA embeds them, no launch.
+    a_log = jnp.zeros((value_heads,), jnp.float32) if a_log is None else f32(a_log)
+    dt_bias = jnp.zeros((value_heads, dk), jnp.float32) if dt_bias is None else f32(dt_bias)
+    arrays = (q.astype(dtype), k.astype(dtype), v.astype(dtype), f32(g), f32(beta), a_log, dt_bias, scalars, slots,
+              state)
+    call = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct(v.shape, dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+        input_output_aliases={len(arrays) - 1: 1}, vmap_method="sequential",
+    )
+    return call(*arrays, block_v=np.int32(block_v), threads=np.int32(32 * num_warps), gate=np.int32(GATES.index(gate)),
+                beta_is_logits=bool(beta_is_logits), use_qk_l2norm=bool(use_qk_l2norm))
+
+
+def _supports_single_token(inv: Invocation) -> str | None:
+    if inv.arrays["cu_seqlens"] is not None:
+        return "needs no cu_seqlens"
+    reason = shape_reason(inv.arrays["q"].shape[1], inv.arrays["q"].shape[3], inv.arrays["v"].shape[3])
+    return reason or cuda_build.unavailable_reason(inv.device)
+
+
+def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
+    batch, _, value_heads, dv = problem.v.shape
+    return fused_recurrent_decode_cuda(
+        problem.q, problem.k, problem.v, problem.decay, problem.beta, problem.initial_states(), scale=problem.scale,
+        use_qk_l2norm=problem.use_qk_l2norm, **launch_params(batch * value_heads, dv),
+    )
+
+
+# kernel_delta_attention's T == 1 path: above pallas:decode (40) where the GPU has nvcc.
+register(
+    OP_ID, "cuda", "decode", priority=50, devices=("gpu",), supports=_supports_single_token,
+    heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), gradient_of=kda_single_step,
+)(_single_token)
