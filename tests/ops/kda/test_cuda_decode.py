@@ -14,7 +14,7 @@ from hybrax.ops.kda import cuda_decode, reference
 from hybrax.ops.kda.api import KernelDeltaAttention
 from hybrax.ops.kda.cuda_decode import LAUNCHES, fused_recurrent_decode_cuda
 from hybrax.serving import kda_pool
-from tests.helpers import TOLERANCE, assert_close, normal, on_h200, to64
+from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, on_h200, to64
 
 ON_GPU = jax.default_backend() == "gpu" and cuda_build.nvcc_path() is not None
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU and nvcc")
@@ -169,3 +169,20 @@ def test_auto_on_an_h200_takes_cuda_where_nvcc_builds_it(monkeypatch, nvcc):
     assert decode_kernel.implementations(on_h200(decode))[0].name == want[0]
     assert pool_kernel.implementations(on_h200(pool))[0].name == want[1]
     assert pool_kernel.implementations(on_h200(speculative))[0].name == "pallas:fused_recurrent"
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_lowers_to_the_ffi_target_with_the_state_in_place(batch):
+    """For an H200 without one: a custom call of hybrax_kda_decode whose second result (the state) aliases its
+    last operand, once; nothing else on the state's path."""
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in step_inputs(90, batch, 2, 4, 128, 128)]
+    state = jax.ShapeDtypeStruct((8, 4, 128, 128), jnp.float32)
+    slots = jax.ShapeDtypeStruct((batch,), jnp.int32)
+
+    def step(q, k, v, g, beta, a_log, dt_bias, state, slots):
+        return fused_recurrent_decode_cuda(q, k, v, g, beta, state, slots, a_log, dt_bias, scale=0.1,
+                                           lower_bound=-5.0, gate="bounded", beta_is_logits=True)
+
+    text = lower_for_h200(step, *shapes, state, slots)
+    assert text.count("stablehlo.custom_call @hybrax_kda_decode") == 1
+    assert "output_tuple_indices = [1], operand_index = 9" in text
