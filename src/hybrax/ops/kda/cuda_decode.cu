@@ -79,9 +79,10 @@ __global__ void __launch_bounds__(THREADS) kda_decode_kernel(Params p) {
   static_assert(LANES_PER_ROW <= 32 && THREADS % 32 == 0 && THREADS >= BV, "launch shape");
   static_assert(K % ROWS_PER_PASS == 0, "the key rows split evenly over the passes");
 
-  __shared__ float q_s[K], k_s[K], decay_s[K], update_s[BV];
+  __shared__ float q_s[K], k_s[K], decay_s[K];
   __shared__ float norms_s[WARPS][3];
-  __shared__ float partial_s[WARPS][2][BV];
+  __shared__ __align__(16) float update_s[BV];  // read and written as float4: 16-byte aligned
+  __shared__ __align__(16) float partial_s[WARPS][2][BV];
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int col0 = blockIdx.x * BV, head = blockIdx.y, request = blockIdx.z;
