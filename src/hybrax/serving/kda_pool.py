@@ -243,7 +243,9 @@ def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tu
 def _cuda_supports(inv: Invocation) -> str | None:
     if inv.arrays["token_slots"] is not None or inv.static["state_v_first"]:
         return "takes neither token_slots nor the V-first pool (the Pallas kernel does)"
-    reason = cuda_decode.shape_reason(inv.arrays["q"].shape[1], inv.arrays["q"].shape[3], inv.arrays["v"].shape[3])
+    batch, tokens, _, dk = inv.arrays["q"].shape
+    value_heads, dv = inv.arrays["v"].shape[2:]
+    reason = cuda_decode.shape_reason(tokens, dk, dv) or cuda_decode.auto_declines(inv.platform, batch * value_heads)
     return reason or cuda_build.unavailable_reason(inv.device)
 
 

@@ -155,17 +155,19 @@ def test_bad_launch_is_refused():
         fused_recurrent_decode_cuda(q, k, v, g, beta, normal(76, (1, 1, 64, 64)), scale=1.0, block_v=128, num_warps=8)
 
 
-@pytest.mark.parametrize("nvcc", ["/usr/local/cuda/bin/nvcc", None])
-def test_auto_on_an_h200_takes_cuda_where_nvcc_builds_it(monkeypatch, nvcc):
+@pytest.mark.parametrize(("nvcc", "batch", "cuda"), [("/usr/local/cuda/bin/nvcc", 512, True),
+                                                     ("/usr/local/cuda/bin/nvcc", 511, False), (None, 512, False)])
+def test_auto_on_an_h200_takes_cuda_from_2048_rows_where_nvcc_builds_it(monkeypatch, nvcc, batch, cuda):
+    """512 requests x 4 value heads = cuda_decode.AUTO_MIN_ROWS; one request fewer, or no nvcc: the Pallas step."""
     monkeypatch.setattr(cuda_build, "nvcc_path", lambda: nvcc)
-    q, k, v, g, beta, a_log, dt_bias = step_inputs(80, 2, 2, 4, 128, 128)
+    q, k, v, g, beta, a_log, dt_bias = step_inputs(80, batch, 2, 4, 64, 64)
     decode_kernel, pool_kernel = KernelDeltaAttention(), kda_pool.KdaDecodePool()
     decode = decode_kernel.invocation(decode_kernel.prepare(q, k, v, jax.nn.sigmoid(beta), jax.nn.log_sigmoid(g)))
-    pool_args = (q, k, v, g, beta, jnp.zeros((4, 4, 128, 128)), jnp.arange(2, dtype=jnp.int32))
+    pool_args = (q, k, v, g, beta, jnp.zeros((batch, 4, 64, 64)), jnp.arange(batch, dtype=jnp.int32))
     pool = pool_kernel.invocation(pool_kernel.prepare(*pool_args))
-    token_slots = jnp.arange(2, dtype=jnp.int32)[:, None]
+    token_slots = jnp.arange(batch, dtype=jnp.int32)[:, None]
     speculative = pool_kernel.invocation(pool_kernel.prepare(*pool_args, token_slots=token_slots))
-    want = ("cuda:decode", "cuda:fused_recurrent") if nvcc else ("pallas:decode", "pallas:fused_recurrent")
+    want = ("cuda:decode", "cuda:fused_recurrent") if cuda else ("pallas:decode", "pallas:fused_recurrent")
     assert decode_kernel.implementations(on_h200(decode))[0].name == want[0]
     assert pool_kernel.implementations(on_h200(pool))[0].name == want[1]
     assert pool_kernel.implementations(on_h200(speculative))[0].name == "pallas:fused_recurrent"

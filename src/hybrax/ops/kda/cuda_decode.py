@@ -40,6 +40,20 @@ def shape_reason(tokens: int, dk: int, dv: int) -> str | None:
     return None
 
 
+# `auto` takes the CUDA step from this many request x value-head rows up and leaves fewer to the Pallas step, faster
+# there on the H200 (2026-12-06, H = 32, K = V = 128, µs per step CUDA / Pallas: B = 1 3.68 / 2.91, B = 8 10.41 /
+# 8.75, B = 64 77.41 / 78.55; B = 1024 at H = 16 547.2 / 585.3; BENCHMARKS.md).
+AUTO_MIN_ROWS = 2048
+
+
+def auto_declines(platform: str, rows: int) -> str | None:
+    """Why `auto` leaves a step of `rows` = requests x value heads to the Pallas kernel, or None."""
+    if platform == "auto" and rows < AUTO_MIN_ROWS:
+        return f"auto takes it from {AUTO_MIN_ROWS} request x value-head rows (the Pallas step is faster below), " \
+               f"got {rows}"
+    return None
+
+
 def launch_params(rows: int, dv: int) -> dict[str, int]:
     """block_v and num_warps for `rows` = requests x value heads: 64 columns on 4 warps once the grid fills the
     GPU several times over, 32 columns below (more, smaller blocks)."""
@@ -107,7 +121,9 @@ def fused_recurrent_decode_cuda(
 def _supports_single_token(inv: Invocation) -> str | None:
     if inv.arrays["cu_seqlens"] is not None:
         return "needs no cu_seqlens"
-    reason = shape_reason(inv.arrays["q"].shape[1], inv.arrays["q"].shape[3], inv.arrays["v"].shape[3])
+    batch, tokens, _, dk = inv.arrays["q"].shape
+    value_heads, dv = inv.arrays["v"].shape[2:]
+    reason = shape_reason(tokens, dk, dv) or auto_declines(inv.platform, batch * value_heads)
     return reason or cuda_build.unavailable_reason(inv.device)
 
 

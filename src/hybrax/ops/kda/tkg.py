@@ -114,7 +114,8 @@ def kda_tkg(
     q, k, g = (jnp.swapaxes(x, 1, 2)[:, None] for x in (q, k, g))  # [B, 1, H, dk]
     v, a_log, dt_bias = v[:, None], jnp.reshape(a_log, (heads,)), jnp.transpose(dt_bias)
     args = (q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound)
-    if cuda_decode.shape_reason(1, dk, dv) is None and cuda_build.unavailable_reason(jax.default_backend()) is None:
+    cuda_reason = cuda_decode.shape_reason(1, dk, dv) or cuda_decode.auto_declines("auto", batch * heads)
+    if cuda_reason is None and cuda_build.unavailable_reason(jax.default_backend()) is None:
         o, state = _fused_step(*args, "cuda")
     elif interpret_here() or pallas_decode.tile_reason(dk, dv):
         o, state = _xla_step(*args)
