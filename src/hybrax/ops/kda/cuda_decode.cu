@@ -49,11 +49,11 @@ struct Params {
   const float* a_log;     // [HV]
   const float* dt_bias;   // [HV, K]
   const float* scalars;   // [2]: scale, lower_bound
-  const int32_t* slots;   // [B]: state row of each request, -1 padded
+  const int32_t* slots;   // [B]: state row of each request, -1 padded (when has_slots; else request b owns row b)
   void* o;                // [B, 1, HV, V] in q's dtype
   float* state;           // [num_slots, HV, K, V], read and written in place
   int heads, value_heads, dv, gate_dim, gate, num_slots;
-  bool beta_is_logits, use_qk_l2norm;
+  bool beta_is_logits, use_qk_l2norm, has_slots;
 };
 
 __device__ __forceinline__ float log_decay(float raw, float a_log, float bias, int gate, float lower_bound) {
@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(THREADS) kda_decode_kernel(Params p) {
   const int col0 = blockIdx.x * BV, head = blockIdx.y, request = blockIdx.z;
   const size_t head_row = static_cast<size_t>(request) * p.value_heads + head;  // row of v, g, beta and o
   In* out = static_cast<In*>(p.o) + head_row * p.dv + col0;
-  const int slot = p.slots[request];
+  // Without slots no index is loaded: a dependent memory round trip before the state's loads could issue.
+  const int slot = p.has_slots ? p.slots[request] : request;
   if (slot < 0 || slot >= p.num_slots) {  // padded (and, traced past the checks, a row the pool lacks: no write)
     if (tid < BV) out[tid] = from_float<In>(0.f);
     return;
@@ -209,7 +210,7 @@ ffi::Error KdaDecodeImpl(
     ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> a_log, ffi::Buffer<ffi::F32> dt_bias,
     ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer /*state_in: aliased to state*/,
     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> state, int32_t block_v, int32_t threads,
-    int32_t gate, bool beta_is_logits, bool use_qk_l2norm) {
+    int32_t gate, bool beta_is_logits, bool use_qk_l2norm, bool has_slots) {
   // The Python wrapper checks every shape; these guard the memory the kernel touches.
   const auto q_dims = q.dimensions(), v_dims = v.dimensions(), state_dims = state->dimensions();
   if (q_dims.size() != 4 || v_dims.size() != 4 || state_dims.size() != 4 || q_dims[1] != 1)
@@ -227,7 +228,7 @@ ffi::Error KdaDecodeImpl(
            a_log.typed_data(), dt_bias.typed_data(), scalars.typed_data(), slots.typed_data(), o->untyped_data(),
            state->typed_data(), static_cast<int>(heads), static_cast<int>(value_heads), static_cast<int>(dv),
            static_cast<int>(g.dimensions()[3]), gate, static_cast<int>(state_dims[0]), beta_is_logits,
-           use_qk_l2norm};
+           use_qk_l2norm, has_slots};
   const dim3 grid(static_cast<unsigned>(dv / block_v), static_cast<unsigned>(value_heads),
                   static_cast<unsigned>(batch));
   if (batch == 0) return ffi::Error::Success();
@@ -266,5 +267,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybraxKdaDecode, KdaDecodeImpl,
                                   .Attr<int32_t>("threads")
                                   .Attr<int32_t>("gate")
                                   .Attr<bool>("beta_is_logits")
-                                  .Attr<bool>("use_qk_l2norm"),
+                                  .Attr<bool>("use_qk_l2norm")
+                                  .Attr<bool>("has_slots"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -91,7 +91,7 @@ def fused_recurrent_decode_cuda(
     `pallas_decode.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b."""
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-    batch, tokens, value_heads, dv = v.shape
+    _, tokens, value_heads, dv = v.shape
     dk = q.shape[-1]
     reason = shape_reason(tokens, dk, dv)
     if reason:
@@ -104,7 +104,8 @@ def fused_recurrent_decode_cuda(
     dtype = jnp.result_type(q, k, v)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     scalars = jnp.stack([f32(scale).reshape(()), f32(0.0 if lower_bound is None else lower_bound).reshape(())])
-    slots = jnp.arange(batch, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
+    has_slots = slots is not None
+    slots = slots.astype(jnp.int32) if has_slots else jnp.zeros((1,), jnp.int32)  # a constant the kernel never reads
     # Constants where a gate has no a_log or dt_bias: XLA embeds them, no launch.
     a_log = jnp.zeros((value_heads,), jnp.float32) if a_log is None else f32(a_log)
     dt_bias = jnp.zeros((value_heads, dk), jnp.float32) if dt_bias is None else f32(dt_bias)
@@ -115,7 +116,7 @@ def fused_recurrent_decode_cuda(
         input_output_aliases={len(arrays) - 1: 1}, vmap_method="sequential",
     )
     return call(*arrays, block_v=np.int32(block_v), threads=np.int32(32 * num_warps), gate=np.int32(GATES.index(gate)),
-                beta_is_logits=bool(beta_is_logits), use_qk_l2norm=bool(use_qk_l2norm))
+                beta_is_logits=bool(beta_is_logits), use_qk_l2norm=bool(use_qk_l2norm), has_slots=has_slots)
 
 
 def _supports_single_token(inv: Invocation) -> str | None:
