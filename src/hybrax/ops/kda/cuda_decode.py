@@ -41,8 +41,8 @@ def shape_reason(tokens: int, dk: int, dv: int) -> str | None:
 
 
 # `auto` takes the CUDA step from this many request x value-head rows up and leaves fewer to the Pallas step, faster
-# there on the H200 (2026-12-06, H = 32, K = V = 128, µs per step CUDA / Pallas: B = 1 3.68 / 2.91, B = 8 10.41 /
-# 8.75, B = 64 77.41 / 78.55; B = 1024 at H = 16 547.2 / 585.3; BENCHMARKS.md).
+# there on the H200 (2026-12-06, H = 32, K = V = 128, µs per step CUDA / Pallas: B = 1 3.32 / 2.47, B = 8 9.26 /
+# 8.33, B = 64 74.11 / 77.95, B = 256 274.9 / 291.9; B = 1024 at H = 16 547.2 / 585.3; BENCHMARKS.md).
 AUTO_MIN_ROWS = 2048
 
 
