@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import Invocation, register
 from hybrax.ops import cuda_build
 from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.pallas_decode import GATES
+from hybrax.ops.kda.pallas_decode import GATES, step_scalars
 from hybrax.ops.kda.xla_scan import kda_single_step
 
 SOURCE = Path(__file__).with_name("cuda_decode.cu")
@@ -103,7 +103,7 @@ def fused_recurrent_decode_cuda(
         _library()
     dtype = jnp.result_type(q, k, v)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    scalars = jnp.stack([f32(scale).reshape(()), f32(0.0 if lower_bound is None else lower_bound).reshape(())])
+    scalars = step_scalars(scale, lower_bound)
     has_slots = slots is not None
     slots = slots.astype(jnp.int32) if has_slots else jnp.zeros((1,), jnp.int32)  # a constant the kernel never reads
     # Constants where a gate has no a_log or dt_bias: XLA embeds them, no launch.

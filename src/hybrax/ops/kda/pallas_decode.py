@@ -214,10 +214,7 @@ def fused_recurrent_decode(
     block_v = min(block_v, dv)
     if block_v < 1 or block_v & (block_v - 1):  # with the head sizes powers of two, a power of two divides them
         raise ValueError(f"block_v must be a power of two, got {block_v}")
-    scalars = jnp.stack([
-        jnp.asarray(scale, jnp.float32).reshape(()),
-        jnp.asarray(0.0 if lower_bound is None else lower_bound, jnp.float32).reshape(()),
-    ])
+    scalars = step_scalars(scale, lower_bound)
     kernel = functools.partial(
         _decode_kernel, gate=gate, beta_is_logits=beta_is_logits, use_qk_l2norm=use_qk_l2norm,
         v_first=state_v_first, block_v=block_v, group=value_heads // q.shape[2],
@@ -233,6 +230,14 @@ def fused_recurrent_decode(
         interpret=interpret,
         name="kda_fused_recurrent_decode",
     )(*arrays)
+
+
+def step_scalars(scale: Any, lower_bound: Any) -> jax.Array:
+    """[scale, lower_bound (0 when None)] in fp32: the decode kernels' scalar operand (numbers or traced arrays)."""
+    return jnp.stack([
+        jnp.asarray(scale, jnp.float32).reshape(()),
+        jnp.asarray(0.0 if lower_bound is None else lower_bound, jnp.float32).reshape(()),
+    ])
 
 
 def _is_tile_size(n: int) -> bool:
