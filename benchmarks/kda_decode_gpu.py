@@ -65,11 +65,12 @@ def make_inputs(seed: int, batch: int, heads: int, dim: int):
 
 
 def launch_of(variant: tuple[int, ...]) -> dict[str, int]:
-    return dict(zip(("block_v", "num_warps"), variant))
+    """(block_v, num_warps[, blocks_per_sm]) as keyword arguments; the third only the CUDA step takes."""
+    return dict(zip(("block_v", "num_warps", "blocks_per_sm"), variant))
 
 
 def variant_name(variant: tuple[int, ...]) -> str:
-    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w"), variant))
+    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w", "o"), variant))
 
 
 def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
@@ -275,7 +276,8 @@ def main() -> None:
     parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 "
                         "(default: VARIANTS)")
     parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
-    parser.add_argument("--cuda", help="the CUDA kernel's block_v x num_warps launches to time too, e.g. 32x4,64x4")
+    parser.add_argument("--cuda", help="the CUDA kernel's block_v x num_warps [x blocks_per_sm] launches to time too, "
+                        "e.g. 32x4,64x4,32x4x8")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
     parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")
     parser.add_argument("--cases", help="requests x heads to run instead of CASES, e.g. 7x32,8x32 (a program wave "
@@ -318,7 +320,8 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "kda_decode_gpu.json"), "w") as f:
             json.dump({"copy_TBps": copy / 1e12, "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
     for row in rows:
-        for key in ("ours_us", "cuda_us", "stream_us", "pool_us", "vfirst_us", "xla_us", "fla_eager_us", "fla_graph_us"):
+        for key in ("ours_us", "cuda_us", "stream_us", "pool_us", "vfirst_us", "xla_us", "fla_eager_us",
+                    "fla_graph_us"):
             if key in row:
                 row[key] = round(row[key], 2)
         row["max_err"] = f"{max(v for k, v in row.items() if k.startswith('err')):.1e}"

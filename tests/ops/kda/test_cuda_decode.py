@@ -55,7 +55,8 @@ def test_every_launch_and_gate_matches_reference(gate, launch):
     if gate == "activated":
         g = jax.nn.log_sigmoid(g)
     state = normal(20, (3, 4, 128, 128))
-    out = run_cuda(q, k, v, g, beta, state, gate, a_log, dt_bias, block_v=launch[0], num_warps=launch[1])
+    out = run_cuda(q, k, v, g, beta, state, gate, a_log, dt_bias, block_v=launch[0], num_warps=launch[1],
+                   blocks_per_sm=launch[2])
     assert_close(out, reference_step(q, k, v, g, beta, state, gate, a_log, dt_bias), TOLERANCE[jnp.float32])
 
 
@@ -151,7 +152,7 @@ def test_shape_reasons(tokens, dk, dv, reason):
 
 def test_bad_launch_is_refused():
     q, k, v, g, beta, _, _ = step_inputs(75, 1, 1, 1, 64, 64)
-    with pytest.raises(ValueError, match=r"\(block_v, num_warps\) must be one of"):
+    with pytest.raises(ValueError, match=r"\(block_v, num_warps, blocks_per_sm\) must be one of"):
         fused_recurrent_decode_cuda(q, k, v, g, beta, normal(76, (1, 1, 64, 64)), scale=1.0, block_v=128, num_warps=8)
 
 

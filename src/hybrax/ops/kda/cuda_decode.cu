@@ -70,8 +70,8 @@ __device__ __forceinline__ float warp_sum(float x, int from_offset = 1) {
   return x;
 }
 
-template <typename In, int K, int BV, int THREADS>
-__global__ void __launch_bounds__(THREADS) kda_decode_kernel(Params p) {
+template <typename In, int K, int BV, int THREADS, int BLOCKS_PER_SM>
+__global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Params p) {
   constexpr int LANES_PER_ROW = BV / 4;  // threads across a key row's BV columns, 4 columns (16 bytes) each
   constexpr int ROWS_PER_PASS = THREADS / LANES_PER_ROW;
   constexpr int PASSES = K / ROWS_PER_PASS;
@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(THREADS) kda_decode_kernel(Params p) {
   float4 state[PASSES];
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass)
-    state[pass] = *reinterpret_cast<const float4*>(tile + static_cast<size_t>(row0 + pass * ROWS_PER_PASS) * p.dv + col);
+    state[pass] =
+        *reinterpret_cast<const float4*>(tile + static_cast<size_t>(row0 + pass * ROWS_PER_PASS) * p.dv + col);
 
   // The vectors, the gate and the norms' sums.
   const size_t qk_row = static_cast<size_t>(request) * p.heads + head / (p.value_heads / p.heads);
@@ -176,26 +177,40 @@ __global__ void __launch_bounds__(THREADS) kda_decode_kernel(Params p) {
   }
 }
 
+// A launch: value columns per block, threads per block, and the blocks each SM must hold at once (0: the
+// compiler's register choice). More resident blocks cap the registers and shorten the grid's ragged last wave.
+struct Launch {
+  int block_v, threads, blocks_per_sm;
+};
+
 template <typename In, int K>
-cudaError_t launch_for_dim(const Params& p, dim3 grid, int block_v, int threads, cudaStream_t stream) {
-#define HYBRAX_LAUNCH(BV, THREADS)                                                     \
-  if (block_v == BV && threads == THREADS) {                                           \
-    kda_decode_kernel<In, K, BV, THREADS><<<grid, THREADS, 0, stream>>>(p);            \
-    return cudaGetLastError();                                                         \
+cudaError_t launch_for_dim(const Params& p, dim3 grid, Launch launch, cudaStream_t stream) {
+#define HYBRAX_LAUNCH(BV, THREADS, BLOCKS_PER_SM)                                                  \
+  if (launch.block_v == BV && launch.threads == THREADS && launch.blocks_per_sm == BLOCKS_PER_SM) { \
+    kda_decode_kernel<In, K, BV, THREADS, BLOCKS_PER_SM><<<grid, THREADS, 0, stream>>>(p);         \
+    return cudaGetLastError();                                                                      \
   }
-  HYBRAX_LAUNCH(32, 64)
-  HYBRAX_LAUNCH(32, 128)
-  HYBRAX_LAUNCH(64, 128)
-  HYBRAX_LAUNCH(64, 256)
-  HYBRAX_LAUNCH(128, 256)
+  HYBRAX_LAUNCH(32, 64, 0)
+  HYBRAX_LAUNCH(32, 128, 0)
+  HYBRAX_LAUNCH(64, 128, 0)
+  HYBRAX_LAUNCH(64, 256, 0)
+  HYBRAX_LAUNCH(128, 256, 0)
+  HYBRAX_LAUNCH(32, 64, 12)
+  HYBRAX_LAUNCH(32, 128, 6)
+  HYBRAX_LAUNCH(32, 128, 8)
+  HYBRAX_LAUNCH(64, 128, 4)
+  HYBRAX_LAUNCH(64, 128, 5)
+  HYBRAX_LAUNCH(64, 256, 3)
+  HYBRAX_LAUNCH(64, 256, 4)
+  HYBRAX_LAUNCH(128, 256, 2)
 #undef HYBRAX_LAUNCH
   return cudaErrorInvalidConfiguration;
 }
 
 template <typename In>
-cudaError_t launch_for_type(const Params& p, int dk, dim3 grid, int block_v, int threads, cudaStream_t stream) {
-  if (dk == 64) return launch_for_dim<In, 64>(p, grid, block_v, threads, stream);
-  if (dk == 128) return launch_for_dim<In, 128>(p, grid, block_v, threads, stream);
+cudaError_t launch_for_type(const Params& p, int dk, dim3 grid, Launch launch, cudaStream_t stream) {
+  if (dk == 64) return launch_for_dim<In, 64>(p, grid, launch, stream);
+  if (dk == 128) return launch_for_dim<In, 128>(p, grid, launch, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -210,7 +225,7 @@ ffi::Error KdaDecodeImpl(
     ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> a_log, ffi::Buffer<ffi::F32> dt_bias,
     ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer /*state_in: aliased to state*/,
     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> state, int32_t block_v, int32_t threads,
-    int32_t gate, bool beta_is_logits, bool use_qk_l2norm, bool has_slots) {
+    int32_t blocks_per_sm, int32_t gate, bool beta_is_logits, bool use_qk_l2norm, bool has_slots) {
   // The Python wrapper checks every shape; these guard the memory the kernel touches.
   const auto q_dims = q.dimensions(), v_dims = v.dimensions(), state_dims = state->dimensions();
   if (q_dims.size() != 4 || v_dims.size() != 4 || state_dims.size() != 4 || q_dims[1] != 1)
@@ -232,16 +247,18 @@ ffi::Error KdaDecodeImpl(
   const dim3 grid(static_cast<unsigned>(dv / block_v), static_cast<unsigned>(value_heads),
                   static_cast<unsigned>(batch));
   if (batch == 0) return ffi::Error::Success();
+  const Launch launch{block_v, threads, blocks_per_sm};
   cudaError_t status;
   switch (q.element_type()) {
-    case ffi::DataType::BF16: status = launch_for_type<__nv_bfloat16>(p, dk, grid, block_v, threads, stream); break;
-    case ffi::DataType::F16: status = launch_for_type<__half>(p, dk, grid, block_v, threads, stream); break;
-    case ffi::DataType::F32: status = launch_for_type<float>(p, dk, grid, block_v, threads, stream); break;
+    case ffi::DataType::BF16: status = launch_for_type<__nv_bfloat16>(p, dk, grid, launch, stream); break;
+    case ffi::DataType::F16: status = launch_for_type<__half>(p, dk, grid, launch, stream); break;
+    case ffi::DataType::F32: status = launch_for_type<float>(p, dk, grid, launch, stream); break;
     default: return ffi::Error::InvalidArgument("kda_decode_cuda: q must be bfloat16, float16 or float32");
   }
   if (status != cudaSuccess)
     return ffi::Error::Internal(std::string("kda_decode_cuda launch (K=") + std::to_string(dk) + ", block_v=" +
                                 std::to_string(block_v) + ", threads=" + std::to_string(threads) +
+                                ", blocks_per_sm=" + std::to_string(blocks_per_sm) +
                                 "): " + cudaGetErrorString(status));
   return ffi::Error::Success();
 }
@@ -265,6 +282,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybraxKdaDecode, KdaDecodeImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()      // state
                                   .Attr<int32_t>("block_v")
                                   .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("blocks_per_sm")
                                   .Attr<int32_t>("gate")
                                   .Attr<bool>("beta_is_logits")
                                   .Attr<bool>("use_qk_l2norm")

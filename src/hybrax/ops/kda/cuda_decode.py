@@ -27,8 +27,10 @@ from hybrax.ops.kda.xla_scan import kda_single_step
 SOURCE = Path(__file__).with_name("cuda_decode.cu")
 TARGET = "hybrax_kda_decode"
 KEY_DIMS = (64, 128)
-# (block_v, num_warps) the .cu file instantiates: value columns and warps (32 threads each) per block.
-LAUNCHES = ((32, 2), (32, 4), (64, 4), (64, 8), (128, 8))
+# (block_v, num_warps, blocks_per_sm) the .cu file instantiates: value columns and warps (32 threads each) per
+# block, and the blocks each SM must hold at once (0: as many as the compiler's register count allows).
+LAUNCHES = ((32, 2, 0), (32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 8, 0),
+            (32, 2, 12), (32, 4, 6), (32, 4, 8), (64, 4, 4), (64, 4, 5), (64, 8, 3), (64, 8, 4), (128, 8, 2))
 
 
 def shape_reason(tokens: int, dk: int, dv: int) -> str | None:
@@ -66,7 +68,7 @@ def _library() -> None:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps"),
+    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps", "blocks_per_sm"),
 )
 def fused_recurrent_decode_cuda(
     q: Float[Array, "B 1 H K"],
@@ -86,6 +88,7 @@ def fused_recurrent_decode_cuda(
     use_qk_l2norm: bool = True,
     block_v: int = 32,
     num_warps: int = 4,
+    blocks_per_sm: int = 0,
 ) -> tuple[Float[Array, "B 1 HV V"], Float[Array, "S HV K V"]]:
     """One token for each of B requests; returns (o in q's dtype, the new state). Arguments as
     `pallas_decode.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b."""
@@ -96,9 +99,9 @@ def fused_recurrent_decode_cuda(
     reason = shape_reason(tokens, dk, dv)
     if reason:
         raise ValueError(f"fused_recurrent_decode_cuda {reason}")
-    if (block_v, num_warps) not in LAUNCHES or dv % block_v:
-        raise ValueError(f"(block_v, num_warps) must be one of {LAUNCHES} with block_v dividing V={dv}, "
-                         f"got ({block_v}, {num_warps})")
+    if (block_v, num_warps, blocks_per_sm) not in LAUNCHES or dv % block_v:
+        raise ValueError(f"(block_v, num_warps, blocks_per_sm) must be one of {LAUNCHES} with block_v dividing "
+                         f"V={dv}, got ({block_v}, {num_warps}, {blocks_per_sm})")
     if jax.default_backend() == "gpu":  # built where it runs; lowering elsewhere (the CPU tests) needs only its name
         _library()
     dtype = jnp.result_type(q, k, v)
@@ -115,7 +118,8 @@ def fused_recurrent_decode_cuda(
         TARGET, (jax.ShapeDtypeStruct(v.shape, dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
         input_output_aliases={len(arrays) - 1: 1}, vmap_method="sequential",
     )
-    return call(*arrays, block_v=np.int32(block_v), threads=np.int32(32 * num_warps), gate=np.int32(GATES.index(gate)),
+    return call(*arrays, block_v=np.int32(block_v), threads=np.int32(32 * num_warps),
+                blocks_per_sm=np.int32(blocks_per_sm), gate=np.int32(GATES.index(gate)),
                 beta_is_logits=bool(beta_is_logits), use_qk_l2norm=bool(use_qk_l2norm), has_slots=has_slots)
 
 
