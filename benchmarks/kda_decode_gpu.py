@@ -105,14 +105,14 @@ def stream_step(inputs, state):
     return state[:, :1, :1, :1], state
 
 
-def decode_loop(step, steps: int):
-    """`steps` decode steps in one jitted fori_loop (UNROLL per iteration), the state donated and
+def decode_loop(step, steps: int, unroll: int = UNROLL):
+    """`steps` decode steps in one jitted fori_loop (`unroll` per iteration), the state donated and
     carried in place; the last output comes back so that nothing is dead code."""
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def loop(state, inputs):
         o, state = step(inputs, state)
-        state = lax.fori_loop(1, steps, lambda _, state: step(inputs, state)[1], state, unroll=UNROLL)
+        state = lax.fori_loop(1, steps, lambda _, state: step(inputs, state)[1], state, unroll=unroll)
         return state, o
 
     return loop
@@ -213,7 +213,7 @@ def check(batch, heads, inputs, state, fla, launch, v_first: bool, cuda_launches
 
 def bench_case(
     batch: int, heads: int, steps: int, with_fla: bool, variants, interpret: bool, extras: bool, v_first: bool,
-    cuda_launches=(),
+    cuda_launches=(), unroll: int = UNROLL,
 ) -> dict:
     """One (B, H): the check, then every launch in `variants` with the state in the chosen layout (fla too),
     the stream floor, and with `extras` the pool by slot and the XLA step (K-first only)."""
@@ -228,14 +228,14 @@ def bench_case(
     for variant in variants:
         step = functools.partial(pallas_step, state_v_first=v_first, interpret=interpret, **launch_of(variant))
         try:
-            timings[variant], state = time_loop(decode_loop(step, steps), state, inputs, steps)
+            timings[variant], state = time_loop(decode_loop(step, steps, unroll), state, inputs, steps)
         except Exception as exc:  # a launch that does not compile must not cost the sweep its other launches
             failed[variant_name(variant)] = f"{type(exc).__name__}: {exc}"[:200]
     cuda_timings = {}
     for variant in cuda_launches:
         step = functools.partial(cuda_step, **launch_of(variant))
         try:
-            cuda_timings[variant], state = time_loop(decode_loop(step, steps), state, inputs, steps)
+            cuda_timings[variant], state = time_loop(decode_loop(step, steps, unroll), state, inputs, steps)
         except Exception as exc:
             failed["cuda_" + variant_name(variant)] = f"{type(exc).__name__}: {exc}"[:200]
     if cuda_timings:
@@ -245,7 +245,7 @@ def bench_case(
     if failed:
         row["failed"] = failed
     variant, best = min(timings.items(), key=lambda item: item[1])
-    stream_seconds, state = time_loop(decode_loop(stream_step, steps), state, inputs, steps)
+    stream_seconds, state = time_loop(decode_loop(stream_step, steps, unroll), state, inputs, steps)
     row["stream_us"] = stream_seconds * 1e6
     row["sweep_us"] = {variant_name(variant): round(t * 1e6, 2) for variant, t in timings.items()}
     row["ours_us"], row["cfg"] = best * 1e6, variant_name(variant)
@@ -257,7 +257,7 @@ def bench_case(
     if extras and not v_first:  # the V-first form and the XLA step, beside a K-first state
         others += [("vfirst_us", vfirst_step), ("xla_us", xla_step)]
     for name, step in others:
-        seconds, state = time_loop(decode_loop(step, steps), state, inputs, steps)
+        seconds, state = time_loop(decode_loop(step, steps, unroll), state, inputs, steps)
         row[name] = seconds * 1e6
     if fla is not None:
         row["fla_eager_us"] = fla.eager_s() * 1e6
@@ -278,6 +278,8 @@ def main() -> None:
     parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
     parser.add_argument("--cuda", help="the CUDA kernel's block_v x num_warps [x blocks_per_sm] launches to time too, "
                         "e.g. 32x4,64x4,32x4x8")
+    parser.add_argument("--unroll", type=int, default=UNROLL, help="decode steps per loop iteration: a server's "
+                        "program runs a step per layer with no loop between them (default %(default)s)")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
     parser.add_argument("--no-extras", action="store_true", help="leave out the pool, V-first and XLA timings")
     parser.add_argument("--cases", help="requests x heads to run instead of CASES, e.g. 7x32,8x32 (a program wave "
@@ -303,7 +305,7 @@ def main() -> None:
     rows = []
     for batch, heads in cases:
         row = bench_case(batch, heads, steps[batch], with_fla, variants, args.smoke, not args.no_extras, args.v_first,
-                         cuda_launches)
+                         cuda_launches, args.unroll)
         bandwidth = row["state_bytes"] / (row["ours_us"] * 1e-6)
         row.update({"TB/s": round(bandwidth / 1e12, 2), "%copy": round(100 * bandwidth / copy, 1)})
         if "cuda_us" in row:
