@@ -76,6 +76,8 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Para
   constexpr int ROWS_PER_PASS = THREADS / LANES_PER_ROW;
   constexpr int PASSES = K / ROWS_PER_PASS;
   constexpr int WARPS = THREADS / 32;
+  // A block of one warp joins its partial sums with shuffles alone: no shared staging and no barrier.
+  constexpr bool ONE_WARP = WARPS == 1;
   static_assert(LANES_PER_ROW <= 32 && THREADS % 32 == 0 && THREADS >= BV, "launch shape");
   static_assert(K % ROWS_PER_PASS == 0, "the key rows split evenly over the passes");
 
@@ -110,7 +112,14 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Para
   const In* k = static_cast<const In*>(p.k) + qk_row * K;
   const float* g = p.g + head_row * p.gate_dim;
   const float scale = p.scalars[0], lower_bound = p.scalars[1], a_log = p.a_log[head];
-  const float v_col = tid < BV ? to_float(static_cast<const In*>(p.v)[head_row * p.dv + col0 + tid]) : 0.f;
+  // The values: one warp's lanes each take their own 4 columns; in a larger block thread c < BV takes column c.
+  const In* v_row = static_cast<const In*>(p.v) + head_row * p.dv + col0;
+  float4 values = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (ONE_WARP)
+    values = make_float4(to_float(v_row[col]), to_float(v_row[col + 1]), to_float(v_row[col + 2]),
+                         to_float(v_row[col + 3]));
+  else if (tid < BV)
+    values.x = to_float(v_row[tid]);
   float beta = p.beta[head_row];
   if (p.beta_is_logits) beta = 1.f / (1.f + expf(-beta));
   float q_square = 0.f, k_square = 0.f, k_dot_q = 0.f;
@@ -125,11 +134,15 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Para
     k_dot_q += ki * qi;
   }
   q_square = warp_sum(q_square), k_square = warp_sum(k_square), k_dot_q = warp_sum(k_dot_q);
-  if (lane == 0) norms_s[warp][0] = q_square, norms_s[warp][1] = k_square, norms_s[warp][2] = k_dot_q;
-  __syncthreads();
-  q_square = k_square = k_dot_q = 0.f;
+  if constexpr (ONE_WARP) {
+    __syncwarp();  // q_s, k_s and decay_s were written by other lanes
+  } else {
+    if (lane == 0) norms_s[warp][0] = q_square, norms_s[warp][1] = k_square, norms_s[warp][2] = k_dot_q;
+    __syncthreads();
+    q_square = k_square = k_dot_q = 0.f;
 #pragma unroll
-  for (int w = 0; w < WARPS; ++w) q_square += norms_s[w][0], k_square += norms_s[w][1], k_dot_q += norms_s[w][2];
+    for (int w = 0; w < WARPS; ++w) q_square += norms_s[w][0], k_square += norms_s[w][1], k_dot_q += norms_s[w][2];
+  }
   const float inverse_k = p.use_qk_l2norm ? rsqrtf(k_square + kL2Eps) : 1.f;
   const float q_factor = (p.use_qk_l2norm ? rsqrtf(q_square + kL2Eps) : 1.f) * scale;
   k_dot_q *= inverse_k * q_factor;
@@ -145,28 +158,40 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Para
     sum_k.x += kr * s.x, sum_k.y += kr * s.y, sum_k.z += kr * s.z, sum_k.w += kr * s.w;
     sum_q.x += qr * s.x, sum_q.y += qr * s.y, sum_q.z += qr * s.z, sum_q.w += qr * s.w;
   }
-  // Lanes LANES_PER_ROW apart hold the same columns: fold them, then the warps through shared memory.
+  // Lanes LANES_PER_ROW apart hold the same columns: fold them (every lane gets its columns' warp sums).
   sum_k.x = warp_sum(sum_k.x, LANES_PER_ROW), sum_k.y = warp_sum(sum_k.y, LANES_PER_ROW);
   sum_k.z = warp_sum(sum_k.z, LANES_PER_ROW), sum_k.w = warp_sum(sum_k.w, LANES_PER_ROW);
   sum_q.x = warp_sum(sum_q.x, LANES_PER_ROW), sum_q.y = warp_sum(sum_q.y, LANES_PER_ROW);
   sum_q.z = warp_sum(sum_q.z, LANES_PER_ROW), sum_q.w = warp_sum(sum_q.w, LANES_PER_ROW);
-  if (lane < LANES_PER_ROW) {
-    *reinterpret_cast<float4*>(&partial_s[warp][0][col]) = sum_k;
-    *reinterpret_cast<float4*>(&partial_s[warp][1][col]) = sum_q;
-  }
-  __syncthreads();
-  if (tid < BV) {
-    float decayed_k = 0.f, decayed_q = 0.f;
+  float4 update;
+  if constexpr (ONE_WARP) {  // the warp's sums are the block's
+    update = make_float4(beta * (values.x - sum_k.x), beta * (values.y - sum_k.y), beta * (values.z - sum_k.z),
+                         beta * (values.w - sum_k.w));
+    if (row0 == 0) {
+      out[col] = from_float<In>(sum_q.x + k_dot_q * update.x);
+      out[col + 1] = from_float<In>(sum_q.y + k_dot_q * update.y);
+      out[col + 2] = from_float<In>(sum_q.z + k_dot_q * update.z);
+      out[col + 3] = from_float<In>(sum_q.w + k_dot_q * update.w);
+    }
+  } else {  // then the warps' through shared memory
+    if (lane < LANES_PER_ROW) {
+      *reinterpret_cast<float4*>(&partial_s[warp][0][col]) = sum_k;
+      *reinterpret_cast<float4*>(&partial_s[warp][1][col]) = sum_q;
+    }
+    __syncthreads();
+    if (tid < BV) {
+      float decayed_k = 0.f, decayed_q = 0.f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) decayed_k += partial_s[w][0][tid], decayed_q += partial_s[w][1][tid];
-    const float update = beta * (v_col - decayed_k);
-    update_s[tid] = update;
-    out[tid] = from_float<In>(decayed_q + k_dot_q * update);
+      for (int w = 0; w < WARPS; ++w) decayed_k += partial_s[w][0][tid], decayed_q += partial_s[w][1][tid];
+      const float column_update = beta * (values.x - decayed_k);
+      update_s[tid] = column_update;
+      out[tid] = from_float<In>(decayed_q + k_dot_q * column_update);
+    }
+    __syncthreads();
+    update = *reinterpret_cast<const float4*>(&update_s[col]);
   }
-  __syncthreads();
 
   // The rank-1 update, stored in place.
-  const float4 update = *reinterpret_cast<const float4*>(&update_s[col]);
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     const int row = row0 + pass * ROWS_PER_PASS;
@@ -190,6 +215,8 @@ cudaError_t launch_for_dim(const Params& p, dim3 grid, Launch launch, cudaStream
     kda_decode_kernel<In, K, BV, THREADS, BLOCKS_PER_SM><<<grid, THREADS, 0, stream>>>(p);         \
     return cudaGetLastError();                                                                      \
   }
+  HYBRAX_LAUNCH(16, 32, 0)
+  HYBRAX_LAUNCH(16, 32, 16)
   HYBRAX_LAUNCH(32, 64, 0)
   HYBRAX_LAUNCH(32, 128, 0)
   HYBRAX_LAUNCH(64, 128, 0)

@@ -29,7 +29,7 @@ TARGET = "hybrax_kda_decode"
 KEY_DIMS = (64, 128)
 # (block_v, num_warps, blocks_per_sm) the .cu file instantiates: value columns and warps (32 threads each) per
 # block, and the blocks each SM must hold at once (0: as many as the compiler's register count allows).
-LAUNCHES = ((32, 2, 0), (32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 8, 0),
+LAUNCHES = ((16, 1, 0), (16, 1, 16), (32, 2, 0), (32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 8, 0),
             (32, 2, 12), (32, 4, 6), (32, 4, 8), (64, 4, 4), (64, 4, 5), (64, 8, 3), (64, 8, 4), (128, 8, 2))
 
 
