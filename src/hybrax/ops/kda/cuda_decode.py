@@ -27,10 +27,12 @@ from hybrax.ops.kda.xla_scan import kda_single_step
 SOURCE = Path(__file__).with_name("cuda_decode.cu")
 TARGET = "hybrax_kda_decode"
 KEY_DIMS = (64, 128)
-# (block_v, num_warps, blocks_per_sm) the .cu file instantiates: value columns and warps (32 threads each) per
-# block, and the blocks each SM must hold at once (0: as many as the compiler's register count allows).
-LAUNCHES = ((16, 1, 0), (16, 1, 16), (32, 2, 0), (32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 8, 0),
-            (32, 2, 12), (32, 4, 6), (32, 4, 8), (64, 4, 4), (64, 4, 5), (64, 8, 3), (64, 8, 4), (128, 8, 2))
+# (block_v, num_warps, blocks_per_sm, stages) the .cu file instantiates: value columns and warps (32 threads each)
+# per block, and either the blocks each SM must hold at once (0: as many as the compiler's register count allows)
+# or, with stages > 0, the persistent kernel pipelined that deep through the bulk copy engine (block_v = V).
+LAUNCHES = ((16, 1, 0, 0), (16, 1, 16, 0), (32, 2, 0, 0), (32, 4, 0, 0), (64, 4, 0, 0), (64, 8, 0, 0), (128, 8, 0, 0),
+            (32, 2, 12, 0), (32, 4, 6, 0), (32, 4, 8, 0), (64, 4, 4, 0), (64, 4, 5, 0), (64, 8, 3, 0), (64, 8, 4, 0),
+            (128, 8, 2, 0), (128, 8, 0, 2), (128, 8, 0, 3), (128, 16, 0, 3))
 
 
 def shape_reason(tokens: int, dk: int, dv: int) -> str | None:
@@ -68,7 +70,8 @@ def _library() -> None:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps", "blocks_per_sm"),
+    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps", "blocks_per_sm",
+                     "stages"),
 )
 def fused_recurrent_decode_cuda(
     q: Float[Array, "B 1 H K"],
@@ -89,6 +92,7 @@ def fused_recurrent_decode_cuda(
     block_v: int = 32,
     num_warps: int = 4,
     blocks_per_sm: int = 0,
+    stages: int = 0,
 ) -> tuple[Float[Array, "B 1 HV V"], Float[Array, "S HV K V"]]:
     """One token for each of B requests; returns (o in q's dtype, the new state). Arguments as
     `pallas_decode.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b."""
@@ -99,9 +103,10 @@ def fused_recurrent_decode_cuda(
     reason = shape_reason(tokens, dk, dv)
     if reason:
         raise ValueError(f"fused_recurrent_decode_cuda {reason}")
-    if (block_v, num_warps, blocks_per_sm) not in LAUNCHES or dv % block_v:
-        raise ValueError(f"(block_v, num_warps, blocks_per_sm) must be one of {LAUNCHES} with block_v dividing "
-                         f"V={dv}, got ({block_v}, {num_warps}, {blocks_per_sm})")
+    launch = (block_v, num_warps, blocks_per_sm, stages)
+    if launch not in LAUNCHES or dv % block_v or (stages and block_v != dv):
+        raise ValueError(f"(block_v, num_warps, blocks_per_sm, stages) must be one of {LAUNCHES} with block_v dividing "
+                         f"V={dv} (equal to it with stages), got {launch}")
     if jax.default_backend() == "gpu":  # built where it runs; lowering elsewhere (the CPU tests) needs only its name
         _library()
     dtype = jnp.result_type(q, k, v)
@@ -119,7 +124,7 @@ def fused_recurrent_decode_cuda(
         input_output_aliases={len(arrays) - 1: 1}, vmap_method="sequential",
     )
     return call(*arrays, block_v=np.int32(block_v), threads=np.int32(32 * num_warps),
-                blocks_per_sm=np.int32(blocks_per_sm), gate=np.int32(GATES.index(gate)),
+                blocks_per_sm=np.int32(blocks_per_sm), stages=np.int32(stages), gate=np.int32(GATES.index(gate)),
                 beta_is_logits=bool(beta_is_logits), use_qk_l2norm=bool(use_qk_l2norm), has_slots=has_slots)
 
 
