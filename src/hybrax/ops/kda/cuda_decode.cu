@@ -11,9 +11,11 @@
 // its state loads (16-byte vectors) before any other work, so they are in flight while the block loads and
 // normalizes the vectors, and the block's only barriers are the three the reductions need.
 //
-// One block per (value column tile of BV, value head, request); THREADS threads, each holding 4 adjacent columns
-// of PASSES key rows in registers. The state is aliased to the output (updated in place); slot -1 marks a padded
-// request: it reads and writes no state and outputs zeros.
+// Two kernels share the step (load_head, update_tile). kda_decode_kernel: one block per (value column tile of BV,
+// value head, request); THREADS threads, each holding 4 adjacent columns of PASSES key rows in registers.
+// kda_decode_pipelined_kernel: a persistent block per SM over whole (request, value head) tiles, their loads and
+// stores on Hopper's bulk copy engine through a few shared-memory stages. The state is aliased to the output
+// (updated in place); slot -1 marks a padded request: it reads and writes no state and outputs zeros.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -249,7 +251,9 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Para
 }
 
 // Hopper's bulk copy engine (cp.async.bulk, sm_90): global <-> shared copies that complete on an mbarrier (loads)
-// or in bulk groups (stores), issued by one thread while the block computes.
+// or in bulk groups (stores), issued by one thread while the block computes. Compiled for sm_90 and newer only.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define HYBRAX_BULK_COPY 1
 namespace bulk {
 __device__ __forceinline__ unsigned shared_address(const void* pointer) {
   return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
@@ -290,6 +294,7 @@ __device__ __forceinline__ void store(float* destination, const float* source, u
 __device__ __forceinline__ void wait_stores_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 __device__ __forceinline__ void wait_stores() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 }  // namespace bulk
+#endif
 
 // A persistent block per SM over whole (request, value head) tiles of K x DV (contiguous in the state, one bulk
 // copy each), STAGES deep: thread 0 keeps the next tiles' loads in flight on the copy engine while the block
@@ -297,6 +302,7 @@ __device__ __forceinline__ void wait_stores() { asm volatile("cp.async.bulk.wait
 // blockIdx.x + i * gridDim.x; the grid divides the tiles as evenly as it can, so no block runs a ragged last round.
 template <typename In, int K, int DV, int THREADS, int STAGES>
 __global__ void __launch_bounds__(THREADS, 1) kda_decode_pipelined_kernel(Params p, int tiles) {
+#ifdef HYBRAX_BULK_COPY
   using Layout = TileLayout<K, DV, THREADS>;
   constexpr int TILE = K * DV;
   extern __shared__ __align__(128) float stages_s[];  // [STAGES][K][DV]
@@ -346,6 +352,7 @@ __global__ void __launch_bounds__(THREADS, 1) kda_decode_pipelined_kernel(Params
     if (tid == 0) bulk::store(p.state + (static_cast<size_t>(slot) * p.value_heads + head) * TILE, stage, TILE * 4);
   }
   if (tid == 0) bulk::wait_stores();
+#endif
 }
 
 // A launch: value columns per block, threads per block, and either the blocks each SM must hold at once (0: the
@@ -355,23 +362,23 @@ struct Launch {
   int block_v, threads, blocks_per_sm, stages;
 };
 
-int multiprocessors() {
-  static const int count = [] {
-    int device = 0, value = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
-    return value;
-  }();
-  return count;
+int device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&value, attribute, device);
+  return value;
 }
 
 template <typename In, int K, int DV, int THREADS, int STAGES>
 cudaError_t launch_pipelined(const Params& p, int tiles, cudaStream_t stream) {
   constexpr int BYTES = STAGES * K * DV * 4;
+  static const int multiprocessors = device_attribute(cudaDevAttrMultiProcessorCount);
+  static const bool has_bulk_copy = device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9;
+  if (!has_bulk_copy) return cudaErrorInvalidDeviceFunction;  // cuda_decode.py picks stages on sm_90 and newer only
   auto* kernel = kda_decode_pipelined_kernel<In, K, DV, THREADS, STAGES>;
   static const cudaError_t opted_in = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, BYTES);
   if (opted_in != cudaSuccess) return opted_in;
-  const int per_block = (tiles + multiprocessors() - 1) / multiprocessors();
+  const int per_block = (tiles + multiprocessors - 1) / multiprocessors;
   kernel<<<(tiles + per_block - 1) / per_block, THREADS, BYTES, stream>>>(p, tiles);
   return cudaGetLastError();
 }
