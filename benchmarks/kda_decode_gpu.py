@@ -65,12 +65,11 @@ def make_inputs(seed: int, batch: int, heads: int, dim: int):
 
 
 def launch_of(variant: tuple[int, ...]) -> dict[str, int]:
-    """(block_v, num_warps[, blocks_per_sm[, stages]]) as keyword arguments; the last two only the CUDA step takes."""
-    return dict(zip(("block_v", "num_warps", "blocks_per_sm", "stages"), variant))
+    return dict(zip(("block_v", "num_warps"), variant))
 
 
 def variant_name(variant: tuple[int, ...]) -> str:
-    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w", "o", "s"), variant))
+    return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w"), variant))
 
 
 def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
@@ -276,8 +275,7 @@ def main() -> None:
     parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 "
                         "(default: VARIANTS)")
     parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
-    parser.add_argument("--cuda", help="the CUDA kernel's block_v x num_warps [x blocks_per_sm [x stages]] launches "
-                        "to time too, e.g. 32x4,64x4,32x4x8,128x8x0x3")
+    parser.add_argument("--cuda", help="the CUDA kernel's block_v x num_warps launches to time too, e.g. 32x4,64x4")
     parser.add_argument("--unroll", type=int, default=UNROLL, help="decode steps per loop iteration: a server's "
                         "program runs a step per layer with no loop between them (default %(default)s)")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")

@@ -251,8 +251,7 @@ def _cuda_supports(inv: Invocation) -> str | None:
 
 def _cuda_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
     dv = inv.arrays["v"].shape[3]
-    return [KdaDecodePoolConfig(block_v=bv, num_warps=w) for bv, w, blocks_per_sm, stages in cuda_decode.LAUNCHES
-            if dv % bv == 0 and not blocks_per_sm and not stages]
+    return [KdaDecodePoolConfig(block_v=bv, num_warps=w) for bv, w in cuda_decode.LAUNCHES if dv % bv == 0]
 
 
 @register(OP_ID, "cuda", "fused_recurrent", priority=30, devices=("gpu",), supports=_cuda_supports,

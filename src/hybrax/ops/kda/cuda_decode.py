@@ -27,12 +27,8 @@ from hybrax.ops.kda.xla_scan import kda_single_step
 SOURCE = Path(__file__).with_name("cuda_decode.cu")
 TARGET = "hybrax_kda_decode"
 KEY_DIMS = (64, 128)
-# (block_v, num_warps, blocks_per_sm, stages) the .cu file instantiates: value columns and warps (32 threads each)
-# per block, and either the blocks each SM must hold at once (0: as many as the compiler's register count allows)
-# or, with stages > 0, the persistent kernel pipelined that deep through the bulk copy engine (block_v = V).
-LAUNCHES = ((16, 1, 0, 0), (16, 1, 16, 0), (32, 2, 0, 0), (32, 4, 0, 0), (64, 4, 0, 0), (64, 8, 0, 0), (128, 8, 0, 0),
-            (32, 2, 12, 0), (32, 4, 6, 0), (32, 4, 8, 0), (64, 4, 4, 0), (64, 4, 5, 0), (64, 8, 3, 0), (64, 8, 4, 0),
-            (128, 8, 2, 0), (128, 8, 0, 2), (128, 8, 0, 3), (128, 16, 0, 3))
+# (block_v, num_warps) the .cu file instantiates: value columns and warps (32 threads each) per block.
+LAUNCHES = ((32, 2), (32, 4), (64, 4), (64, 8), (128, 8))
 
 
 def shape_reason(tokens: int, dk: int, dv: int) -> str | None:
@@ -70,8 +66,7 @@ def _library() -> None:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps", "blocks_per_sm",
-                     "stages"),
+    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps"),
 )
 def fused_recurrent_decode_cuda(
     q: Float[Array, "B 1 H K"],
@@ -91,8 +86,6 @@ def fused_recurrent_decode_cuda(
     use_qk_l2norm: bool = True,
     block_v: int = 32,
     num_warps: int = 4,
-    blocks_per_sm: int = 0,
-    stages: int = 0,
 ) -> tuple[Float[Array, "B 1 HV V"], Float[Array, "S HV K V"]]:
     """One token for each of B requests; returns (o in q's dtype, the new state). Arguments as
     `pallas_decode.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b."""
@@ -103,10 +96,9 @@ def fused_recurrent_decode_cuda(
     reason = shape_reason(tokens, dk, dv)
     if reason:
         raise ValueError(f"fused_recurrent_decode_cuda {reason}")
-    launch = (block_v, num_warps, blocks_per_sm, stages)
-    if launch not in LAUNCHES or dv % block_v or (stages and block_v != dv):
-        raise ValueError(f"(block_v, num_warps, blocks_per_sm, stages) must be one of {LAUNCHES} with block_v dividing "
-                         f"V={dv} (equal to it with stages), got {launch}")
+    if (block_v, num_warps) not in LAUNCHES or dv % block_v:
+        raise ValueError(f"(block_v, num_warps) must be one of {LAUNCHES} with block_v dividing V={dv}, "
+                         f"got ({block_v}, {num_warps})")
     if jax.default_backend() == "gpu":  # built where it runs; lowering elsewhere (the CPU tests) needs only its name
         _library()
     dtype = jnp.result_type(q, k, v)
@@ -123,8 +115,7 @@ def fused_recurrent_decode_cuda(
         TARGET, (jax.ShapeDtypeStruct(v.shape, dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
         input_output_aliases={len(arrays) - 1: 1}, vmap_method="sequential",
     )
-    return call(*arrays, block_v=np.int32(block_v), threads=np.int32(32 * num_warps),
-                blocks_per_sm=np.int32(blocks_per_sm), stages=np.int32(stages), gate=np.int32(GATES.index(gate)),
+    return call(*arrays, block_v=np.int32(block_v), threads=np.int32(32 * num_warps), gate=np.int32(GATES.index(gate)),
                 beta_is_logits=bool(beta_is_logits), use_qk_l2norm=bool(use_qk_l2norm), has_slots=has_slots)
 
 
