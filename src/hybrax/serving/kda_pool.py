@@ -30,7 +30,6 @@ from hybrax.core.validate import (
     check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
     check_shape, is_concrete,
 )
-from hybrax.ops import cuda_build
 from hybrax.ops.kda import cuda_decode, pallas_decode
 from hybrax.ops.kda.gate import activate_beta, fused_gate
 from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
@@ -243,10 +242,7 @@ def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tu
 def _cuda_supports(inv: Invocation) -> str | None:
     if inv.arrays["token_slots"] is not None or inv.static["state_v_first"]:
         return "takes neither token_slots nor the V-first pool (the Pallas kernel does)"
-    batch, tokens, _, dk = inv.arrays["q"].shape
-    value_heads, dv = inv.arrays["v"].shape[2:]
-    reason = cuda_decode.shape_reason(tokens, dk, dv) or cuda_decode.auto_declines(inv.platform, batch * value_heads)
-    return reason or cuda_build.unavailable_reason(inv.device)
+    return cuda_decode.decline_reason(inv.arrays["q"].shape, inv.arrays["v"].shape, inv.platform, inv.device)
 
 
 def _cuda_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:

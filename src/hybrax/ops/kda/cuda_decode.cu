@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Para
 template <typename In, int K>
 cudaError_t launch_for_dim(const Params& p, dim3 grid, int block_v, int threads, cudaStream_t stream) {
   // BLOCKS_PER_SM > 0 caps the registers so that many blocks fit on an SM at once: bv64 w4 at 128 registers keeps
-  // 4 blocks per SM (at 131, nvcc's own choice once, 3: 9.45 against 8.61 us at B = 8 on the H200, BENCHMARKS.md).
+  // 4 blocks per SM (nvcc has given it 131-141 uncapped, 3 blocks: 9.45 against 8.61 us at B = 8 on the H200).
 #define HYBRAX_LAUNCH(BV, THREADS, BLOCKS_PER_SM)                                          \
   if (block_v == BV && threads == THREADS) {                                              \
     kda_decode_kernel<In, K, BV, THREADS, BLOCKS_PER_SM><<<grid, THREADS, 0, stream>>>(p); \

@@ -54,6 +54,15 @@ def auto_declines(platform: str, rows: int) -> str | None:
     return None
 
 
+def decline_reason(q_shape: tuple[int, ...], v_shape: tuple[int, ...], platform: str, device: str) -> str | None:
+    """Why the CUDA step does not take a step of q [B, T, H, K] and v [B, T, HV, V] asked for on `platform` and
+    running on `device`, or None: its shapes, `auto`'s rows, or no GPU / nvcc."""
+    batch, tokens, _, dk = q_shape
+    value_heads, dv = v_shape[2:]
+    reason = shape_reason(tokens, dk, dv) or auto_declines(platform, batch * value_heads)
+    return reason or cuda_build.unavailable_reason(device)
+
+
 def launch_params(rows: int, dv: int) -> dict[str, int]:
     """block_v and num_warps for `rows` = requests x value heads: 64 columns on 4 warps once the grid fills the
     GPU several times over, 32 columns below (more, smaller blocks)."""
@@ -122,10 +131,7 @@ def fused_recurrent_decode_cuda(
 def _supports_single_token(inv: Invocation) -> str | None:
     if inv.arrays["cu_seqlens"] is not None:
         return "needs no cu_seqlens"
-    batch, tokens, _, dk = inv.arrays["q"].shape
-    value_heads, dv = inv.arrays["v"].shape[2:]
-    reason = shape_reason(tokens, dk, dv) or auto_declines(inv.platform, batch * value_heads)
-    return reason or cuda_build.unavailable_reason(inv.device)
+    return decline_reason(inv.arrays["q"].shape, inv.arrays["v"].shape, inv.platform, inv.device)
 
 
 def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:

@@ -24,7 +24,6 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from hybrax.core.validate import check_floating, check_rank, check_shape, is_concrete
-from hybrax.ops import cuda_build
 from hybrax.ops.kda import cuda_decode, pallas_decode
 from hybrax.ops.kda.gate import fused_gate
 from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
@@ -114,8 +113,7 @@ def kda_tkg(
     q, k, g = (jnp.swapaxes(x, 1, 2)[:, None] for x in (q, k, g))  # [B, 1, H, dk]
     v, a_log, dt_bias = v[:, None], jnp.reshape(a_log, (heads,)), jnp.transpose(dt_bias)
     args = (q, k, v, g, beta, a_log, dt_bias, S, scale, lower_bound)
-    cuda_reason = cuda_decode.shape_reason(1, dk, dv) or cuda_decode.auto_declines("auto", batch * heads)
-    if cuda_reason is None and cuda_build.unavailable_reason(jax.default_backend()) is None:
+    if cuda_decode.decline_reason(q.shape, v.shape, "auto", jax.default_backend()) is None:
         o, state = _fused_step(*args, "cuda")
     elif interpret_here() or pallas_decode.tile_reason(dk, dv):
         o, state = _xla_step(*args)
