@@ -240,24 +240,27 @@ def test_attention_lowers_for_h200(monkeypatch):
     assert text.count("collective_permute") >= 2  # queries out, outputs back
 
 
+@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("bounds", [(0, 5, 5, 30, 48), (0, 0, 12, 24, 48), (0, 48, 48, 48, 48)])
-def test_recurrent_packed_sequences_across_shards(bounds):
-    """GLA with every gate, packed as the KDA test (but to the end: recurrent_attention's sequences cover it)."""
+def test_recurrent_packed_sequences_across_shards(bounds, reverse):
+    """GLA with every gate, packed as the KDA test (but to the end: recurrent_attention's sequences cover it), both
+    directions (reversed, the state crosses the shards from the last one down)."""
     q, k, v, g, g_gamma, gk, gv, _ = (x[:1] if x.ndim > 1 else x for x in recurrent_inputs(48))
     cu_seqlens = jnp.array(bounds, jnp.int32)
     initial = normal(17, (4, 2, K, V), scale=0.5)
     args = (q, k, v, g, gk, gv, initial)
 
     def shard(q, k, v, g, gk, gv, initial):
-        return recurrent_context_parallel(q, k, v, g, g_gamma, gk, gv, initial, axis_name="cp", return_state=True,
-                                          cu_seqlens=cu_seqlens)
+        return recurrent_context_parallel(q, k, v, g, g_gamma, gk, gv, initial, axis_name="cp", reverse=reverse,
+                                          return_state=True, cu_seqlens=cu_seqlens)
 
     specs = (TIME,) * 6 + (P(),)
     mapped = jax.shard_map(shard, mesh=mesh(), in_specs=specs, out_specs=(TIME, P()))
     placed = [jax.device_put(a, NamedSharding(mesh(), s)) for a, s in zip(args, specs)]
 
     def whole(q, k, v, g, gk, gv, initial):
-        return recurrent_attention(q, k, v, g, g_gamma, gk, gv, initial, cu_seqlens, return_state=True)
+        return recurrent_attention(q, k, v, g, g_gamma, gk, gv, initial, cu_seqlens, reverse=reverse,
+                                   return_state=True)
 
     assert_close(jax.jit(mapped)(*placed), jax.tree.map(to64, whole(*args)), 1e-5)
 

@@ -38,6 +38,7 @@ from hybrax.ops.attention.mask import MaskInfo
 from hybrax.ops.kda.api import kernel_delta_attention
 from hybrax.ops.recurrent.api import RecurrentAttention, recurrent_attention
 from hybrax.ops.recurrent.engine import key_log_decay
+from hybrax.ops.recurrent.varlen import reversed_cu_seqlens
 
 
 def _check_shard(query: Any, value: Any, initial_state: Any, cu_seqlens: Any) -> None:
@@ -92,17 +93,24 @@ def _matmul(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
 
 
 class _PackedShard(NamedTuple):
-    """This shard's view of packed sequences (the whole sequence's cu_seqlens)."""
+    """This shard's view of packed sequences (the whole sequence's cu_seqlens). With `reverse`, the view of the
+    time-flipped sequence, where the recurrence runs forward: boundaries S·T_local - cu_seqlens[::-1], sequence n
+    is N - 1 - n, and device i holds shard S - 1 - i, its tokens flipped."""
 
     cu_seqlens: jax.Array  # [N + 1] the sequences' boundaries within the shard (empty where a sequence is not)
     first: jax.Array  # the sequence holding the shard's first token
     continues: jax.Array  # whether it began on an earlier shard: its state arrives from there
     last: jax.Array  # the sequence holding the shard's last token
     ends_here: jax.Array  # [N] whether a sequence's last token is on this shard
+    empty: jax.Array  # [N] whether a sequence has no tokens
 
 
-def _packed_shard(cu_seqlens: jax.Array, shard_len: int, axis_name: str) -> _PackedShard:
-    start = jax.lax.axis_index(axis_name) * shard_len
+def _packed_shard(cu_seqlens: jax.Array, shard_len: int, axis_name: str, reverse: bool = False) -> _PackedShard:
+    index = jax.lax.axis_index(axis_name)
+    if reverse:
+        shards = jax.lax.axis_size(axis_name)
+        cu_seqlens, index = reversed_cu_seqlens(cu_seqlens, shards * shard_len), shards - 1 - index
+    start = index * shard_len
     end = start + shard_len  # past the shard's last token
     count = cu_seqlens.shape[0] - 1
 
@@ -118,6 +126,7 @@ def _packed_shard(cu_seqlens: jax.Array, shard_len: int, axis_name: str) -> _Pac
         continues=(cu_seqlens[first] < start) & (start < cu_seqlens[first + 1]),
         last=holding(end - 1),
         ends_here=(lengths > 0) & (start < cu_seqlens[1:]) & (cu_seqlens[1:] <= end),
+        empty=lengths == 0,
     )
 
 
@@ -163,7 +172,7 @@ def kda_context_parallel(
         last = wide_state[shard.last][None]  # the state leaving the shard is its last sequence's
         entering, _ = _entering_states(last[..., dv:], last[..., :dv], None, axis_name, matmul)
         ends = wide_state[..., :dv] + _matmul(wide_state[..., dv:], entering[0], "nhkj,hjv->nhkv")
-        final = _gather_final_states(ends, initial, shard, cu_seqlens, axis_name)
+        final = _gather_final_states(ends, initial, shard, axis_name)
     carried = _matmul(wide_out[..., dv:].astype(jnp.float32), entering, "bthk,bhkv->bthv")
     out = (wide_out[..., :dv].astype(jnp.float32) + carried).astype(wide_out.dtype)
     return (out, final) if return_state else out
@@ -206,27 +215,34 @@ def recurrent_context_parallel(
     the shard's products of key- and value-axis decays, and an output's dependence on S_in is
     o_t += b_t * (S_in^T (scale q_t * a_t)) with the products up to t. So each device runs one ordinary pass from
     a zero state and adds that term, the decays' products from cumulative sums of the log gates. `cu_seqlens`
-    (the whole sequence's, reverse=False) packs sequences that may cross shards, as in `kda_context_parallel`."""
-    packed = None if cu_seqlens is None else _packed_shard(jnp.asarray(cu_seqlens), jnp.shape(query)[1], axis_name)
-    if packed is not None and reverse:
-        raise ValueError("recurrent_context_parallel takes cu_seqlens only with reverse=False")
-    local_cu = None if packed is None else packed.cu_seqlens
+    (the whole sequence's) packs sequences that may cross shards, as in `kda_context_parallel`; with `reverse`,
+    the packed algebra runs on the time-flipped sequence (see `_PackedShard`), forward from the last shard."""
+    shard_len = jnp.shape(query)[1]
+    packed = None if cu_seqlens is None else _packed_shard(jnp.asarray(cu_seqlens), shard_len, axis_name, reverse)
+    local_cu = None  # the pass's boundaries, in the call's own time (the pass flips them itself when reverse)
+    if packed is not None:
+        local_cu = reversed_cu_seqlens(packed.cu_seqlens, shard_len) if reverse else packed.cu_seqlens
     problem = RecurrentAttention().prepare(  # checks the call; gates folded, time flipped when reverse
         query, key, value, g, g_gamma, gk, gv, initial_state, local_cu, softmax_scale=softmax_scale, reverse=reverse
     )
-    batch, length, heads, dk = problem.query.shape
+    batch, _, heads, dk = problem.query.shape
+
+    def reorder(states: jax.Array) -> jax.Array:  # per-sequence states, the call's order <-> the packed view's
+        return jnp.flip(states, 0) if reverse else states
+
     local_initial = None  # the pass's initial states: zeros, or in packed shards the sequences' own
     if packed is not None:  # ... but zeros for the one sequence the carried state reaches
         initial = jnp.zeros((local_cu.shape[0] - 1, heads, dk, value.shape[3])) if initial_state is None else (
-            initial_state.astype(jnp.float32))
+            reorder(initial_state.astype(jnp.float32)))
         carried_in = ((jnp.arange(initial.shape[0]) == packed.first) & packed.continues)[:, None, None, None]
-        local_initial = vary_like(jnp.where(carried_in, 0.0, initial), query, key, value)  # as its cotangent will
+        local_initial = reorder(jnp.where(carried_in, 0.0, initial))
+        local_initial = vary_like(local_initial, query, key, value)  # as its cotangent will
     local_out, local_state = recurrent_attention(
         query, key, value, g, g_gamma, gk, gv, local_initial, local_cu,
         softmax_scale=softmax_scale, reverse=reverse, return_state=True, platform=platform, cfg=cfg,
     )
     log_key = key_log_decay(problem, jnp.float32)
-    log_key = jnp.zeros((batch, length, heads, 1), jnp.float32) if log_key is None else log_key
+    log_key = jnp.zeros((batch, shard_len, heads, 1), jnp.float32) if log_key is None else log_key
     key_products = jnp.exp(jnp.cumsum(log_key, axis=1))  # [B, T, H, K | 1], in the problem's (flipped) time
     value_products = None if problem.g_value is None else jnp.exp(jnp.cumsum(problem.g_value.astype(jnp.float32), 1))
 
@@ -237,15 +253,17 @@ def recurrent_context_parallel(
     if packed is None:
         entering, final = _entering_states(products_at(-1), local_state, initial_state, axis_name, _scale_state,
                                            reverse)
-        reached = jnp.ones((length,), bool)
+        reached = jnp.ones((shard_len,), bool)
     else:
         first_end = packed.cu_seqlens[packed.first + 1]  # past the carried sequence's last token on this shard
         through = packed.continues & (packed.last == packed.first)  # the carried state leaves the shard too
         transition = jax.tree.map(lambda x: jnp.where(through, x, 0.0), products_at(first_end - 1))
-        entering, _ = _entering_states(transition, local_state[packed.last][None], None, axis_name, _scale_state)
+        local_state = reorder(local_state)
+        entering, _ = _entering_states(transition, local_state[packed.last][None], None, axis_name, _scale_state,
+                                       reverse)
         ends = local_state + jnp.where(carried_in, _scale_state(products_at(first_end - 1), entering), 0.0)
-        final = _gather_final_states(ends, initial, packed, cu_seqlens, axis_name)
-        reached = (jnp.arange(length) < first_end) & packed.continues
+        final = reorder(_gather_final_states(ends, initial, packed, axis_name))
+        reached = (jnp.arange(shard_len) < first_end) & packed.continues
     carried = _matmul(problem.query.astype(jnp.float32) * problem.scale * key_products, entering, "bthk,bhkv->bthv")
     carried = carried if value_products is None else carried * value_products
     carried = jnp.where(reached[None, :, None, None], carried, 0.0)
@@ -254,13 +272,11 @@ def recurrent_context_parallel(
     return (out, final) if return_state else out
 
 
-def _gather_final_states(ends: jax.Array, initial: jax.Array, packed: _PackedShard, cu_seqlens: Any,
-                         axis_name: str) -> jax.Array:
+def _gather_final_states(ends: jax.Array, initial: jax.Array, packed: _PackedShard, axis_name: str) -> jax.Array:
     """Each sequence's final state from the shard holding its last token (`ends`: this shard's candidates), the
     same on every device; a sequence without tokens ends where it began."""
     final = jax.lax.psum(jnp.where(packed.ends_here[:, None, None, None], ends, 0.0), axis_name)
-    empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
-    return final + jnp.where(empty, initial, 0.0)
+    return final + jnp.where(packed.empty[:, None, None, None], initial, 0.0)
 
 
 def attention_context_parallel(
