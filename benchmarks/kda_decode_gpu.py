@@ -16,8 +16,9 @@ full size: ours against hybrax's XLA step and against fla on the same inputs. Th
 `stream_us` the same loop moving the state in place with nothing else (S = 0.999 S): the floor of a step
 at that size (at B <= 8 the state stays in the L2 cache, where the copy's bandwidth says nothing).
 `--cuda 32x4,64x4` also times the CUDA kernel (`cuda_decode.cu`, K-first state) at those block_v x num_warps
-launches, after checking each against the XLA step. `--smoke` runs tiny shapes on the CPU in interpret mode
-(the script's own check).
+launches, after checking each against the XLA step; a trailing `s` (`64x4s`) launches it without the programmatic
+launch (each step waits for the one before to finish before it is scheduled). `--smoke` runs tiny shapes on the
+CPU in interpret mode (the script's own check).
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ def launch_of(variant: tuple[int, ...]) -> dict[str, int]:
 
 def variant_name(variant: tuple[int, ...]) -> str:
     return "".join(f"{prefix}{n}" for prefix, n in zip(("bv", "w"), variant))
+
+
+def cuda_launch_of(variant: tuple[int, int, bool]) -> dict:
+    block_v, num_warps, programmatic = variant
+    return {"block_v": block_v, "num_warps": num_warps, "programmatic_launch": programmatic}
+
+
+def cuda_variant_name(variant: tuple[int, int, bool]) -> str:
+    return variant_name(variant[:2]) + ("" if variant[2] else "-serial")
+
+
+def parse_cuda_launch(text: str) -> tuple[int, int, bool]:
+    """'64x4' -> (64, 4, True); '64x4s' -> (64, 4, False): without the programmatic launch."""
+    block_v, num_warps = (int(n) for n in text.removesuffix("s").split("x"))
+    return block_v, num_warps, not text.endswith("s")
 
 
 def pallas_step(inputs, state, slots=None, state_v_first=False, **launch):
@@ -199,11 +215,12 @@ def check(batch, heads, inputs, state, fla, launch, v_first: bool, cuda_launches
     o_other, new_other = pallas_step(inputs, transpose(state), state_v_first=not v_first, **launch)
     errors["err_other_layout"] = max(rel(o_other, o), rel(transpose(new_other), new))
     for launch_cuda in cuda_launches:
-        o_cuda, new_cuda = cuda_step(inputs, state, **launch_of(launch_cuda))
-        errors[f"err_cuda_{variant_name(launch_cuda)}"] = max(rel(o_cuda, o_xla), rel(new_cuda, new_xla))
+        o_cuda, new_cuda = cuda_step(inputs, state, **cuda_launch_of(launch_cuda))
+        name = cuda_variant_name(launch_cuda)
+        errors[f"err_cuda_{name}"] = max(rel(o_cuda, o_xla), rel(new_cuda, new_xla))
         pool = jnp.zeros_like(state).at[perm].set(state)
-        o_pool, pool = cuda_step(inputs, pool, perm, **launch_of(launch_cuda))
-        errors[f"err_cuda_pool_{variant_name(launch_cuda)}"] = max(rel(o_pool, o_xla), rel(pool[perm], new_xla))
+        o_pool, pool = cuda_step(inputs, pool, perm, **cuda_launch_of(launch_cuda))
+        errors[f"err_cuda_pool_{name}"] = max(rel(o_pool, o_xla), rel(pool[perm], new_xla))
     if fla is not None:
         o_fla, new_fla = fla.one_step()
         errors["err_o_vs_fla"], errors["err_S_vs_fla"] = rel(o, o_fla), rel(new, new_fla)
@@ -232,15 +249,15 @@ def bench_case(
             failed[variant_name(variant)] = f"{type(exc).__name__}: {exc}"[:200]
     cuda_timings = {}
     for variant in cuda_launches:
-        step = functools.partial(cuda_step, **launch_of(variant))
+        step = functools.partial(cuda_step, **cuda_launch_of(variant))
         try:
             cuda_timings[variant], state = time_loop(decode_loop(step, steps, unroll), state, inputs, steps)
         except Exception as exc:
-            failed["cuda_" + variant_name(variant)] = f"{type(exc).__name__}: {exc}"[:200]
+            failed["cuda_" + cuda_variant_name(variant)] = f"{type(exc).__name__}: {exc}"[:200]
     if cuda_timings:
         variant, best_cuda = min(cuda_timings.items(), key=lambda item: item[1])
-        row["cuda_sweep_us"] = {variant_name(v): round(t * 1e6, 2) for v, t in cuda_timings.items()}
-        row["cuda_us"], row["cuda_cfg"] = best_cuda * 1e6, variant_name(variant)
+        row["cuda_sweep_us"] = {cuda_variant_name(v): round(t * 1e6, 2) for v, t in cuda_timings.items()}
+        row["cuda_us"], row["cuda_cfg"] = best_cuda * 1e6, cuda_variant_name(variant)
     if failed:
         row["failed"] = failed
     variant, best = min(timings.items(), key=lambda item: item[1])
@@ -275,7 +292,8 @@ def main() -> None:
     parser.add_argument("--configs", help="block_v x num_warps to time, e.g. 32x2,64x4 "
                         "(default: VARIANTS)")
     parser.add_argument("--v-first", action="store_true", help="the state V-first [B, H, V, K], fla's too")
-    parser.add_argument("--cuda", help="the CUDA kernel's block_v x num_warps launches to time too, e.g. 32x4,64x4")
+    parser.add_argument("--cuda", help="the CUDA kernel's block_v x num_warps launches to time too, e.g. 32x4,64x4 "
+                        "(64x4s: without the programmatic launch)")
     parser.add_argument("--unroll", type=int, default=UNROLL, help="decode steps per loop iteration: a server's "
                         "program runs a step per layer with no loop between them (default %(default)s)")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (its timings do not depend on ours)")
@@ -287,7 +305,7 @@ def main() -> None:
     if args.cuda and (args.v_first or args.smoke):
         parser.error("--cuda takes the K-first state on a GPU (not --v-first or --smoke)")
     if args.cuda:
-        cuda_launches = [tuple(int(n) for n in c.split("x")) for c in args.cuda.split(",")]
+        cuda_launches = [parse_cuda_launch(c) for c in args.cuda.split(",")]
     if args.configs:
         variants = [tuple(int(n) for n in c.split("x")) for c in args.configs.split(",")]
     if args.smoke:

@@ -173,18 +173,20 @@ def test_auto_on_an_h200_takes_cuda_from_2048_rows_where_nvcc_builds_it(monkeypa
     assert pool_kernel.implementations(on_h200(speculative))[0].name == "pallas:fused_recurrent"
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-def test_lowers_to_the_ffi_target_with_the_state_in_place(batch):
+@pytest.mark.parametrize("batch, programmatic", [(1, True), (5, False)])
+def test_lowers_to_the_ffi_target_with_the_state_in_place(batch, programmatic):
     """For an H200 without one: a custom call of hybrax_kda_decode whose second result (the state) aliases its
-    last operand, once; nothing else on the state's path."""
+    last operand, once; nothing else on the state's path; the programmatic launch as asked."""
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in step_inputs(90, batch, 2, 4, 128, 128)]
     state = jax.ShapeDtypeStruct((8, 4, 128, 128), jnp.float32)
     slots = jax.ShapeDtypeStruct((batch,), jnp.int32)
 
     def step(q, k, v, g, beta, a_log, dt_bias, state, slots):
         return fused_recurrent_decode_cuda(q, k, v, g, beta, state, slots, a_log, dt_bias, scale=0.1,
-                                           lower_bound=-5.0, gate="bounded", beta_is_logits=True)
+                                           lower_bound=-5.0, gate="bounded", beta_is_logits=True,
+                                           programmatic_launch=programmatic)
 
     text = lower_for_h200(step, *shapes, state, slots)
     assert text.count("stablehlo.custom_call @hybrax_kda_decode") == 1
     assert "output_tuple_indices = [1], operand_index = 9" in text
+    assert f"programmatic = {str(programmatic).lower()}" in text

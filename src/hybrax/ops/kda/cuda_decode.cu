@@ -14,6 +14,10 @@
 // One block per (value column tile of BV, value head, request); THREADS threads, each holding 4 adjacent columns
 // of PASSES key rows in registers. The state is aliased to the output (updated in place); slot -1 marks a padded
 // request: it reads and writes no state and outputs zeros.
+//
+// On Hopper and later the step is launched as a programmatic dependent of the kernel before it in the stream: its
+// blocks are scheduled while that kernel still runs and wait (griddepcontrol.wait) for its writes before reading
+// anything, so a chain of decode steps (a model's layers) overlaps each launch with the step before.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -70,6 +74,15 @@ __device__ __forceinline__ float warp_sum(float x, int from_offset = 1) {
   return x;
 }
 
+// Lets the next programmatic kernel in the stream be scheduled now, then waits until the grid before this one has
+// finished and its writes are visible. Without a programmatic launch (or before Hopper) the wait returns at once.
+__device__ __forceinline__ void await_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <typename In, int K, int BV, int THREADS, int BLOCKS_PER_SM>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Params p) {
   constexpr int LANES_PER_ROW = BV / 4;  // threads across a key row's BV columns, 4 columns (16 bytes) each
@@ -84,6 +97,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Para
   __shared__ __align__(16) float update_s[BV];  // read and written as float4: 16-byte aligned
   __shared__ __align__(16) float partial_s[WARPS][2][BV];
 
+  await_previous_grid();  // before any global read or write
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int col0 = blockIdx.x * BV, head = blockIdx.y, request = blockIdx.z;
   const size_t head_row = static_cast<size_t>(request) * p.value_heads + head;  // row of v, g, beta and o
@@ -177,15 +191,34 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) kda_decode_kernel(Para
   }
 }
 
+bool supports_programmatic_launch() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+}
+
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, const Params& p, dim3 grid, int threads, bool programmatic, cudaStream_t stream) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic && supports_programmatic_launch() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
 template <typename In, int K>
-cudaError_t launch_for_dim(const Params& p, dim3 grid, int block_v, int threads, cudaStream_t stream) {
+cudaError_t launch_for_dim(const Params& p, dim3 grid, int block_v, int threads, bool programmatic,
+                           cudaStream_t stream) {
   // BLOCKS_PER_SM > 0 caps the registers so that many blocks fit on an SM at once: bv64 w4 at 128 registers keeps
   // 4 blocks per SM (nvcc has given it 131-141 uncapped, 3 blocks: 9.45 against 8.61 us at B = 8 on the H200).
-#define HYBRAX_LAUNCH(BV, THREADS, BLOCKS_PER_SM)                                          \
-  if (block_v == BV && threads == THREADS) {                                              \
-    kda_decode_kernel<In, K, BV, THREADS, BLOCKS_PER_SM><<<grid, THREADS, 0, stream>>>(p); \
-    return cudaGetLastError();                                                            \
-  }
+#define HYBRAX_LAUNCH(BV, THREADS, BLOCKS_PER_SM)                                                             \
+  if (block_v == BV && threads == THREADS)                                                                   \
+    return launch(kda_decode_kernel<In, K, BV, THREADS, BLOCKS_PER_SM>, p, grid, THREADS, programmatic, stream);
   HYBRAX_LAUNCH(32, 64, 0)
   HYBRAX_LAUNCH(32, 128, 0)
   HYBRAX_LAUNCH(64, 128, 4)
@@ -196,9 +229,10 @@ cudaError_t launch_for_dim(const Params& p, dim3 grid, int block_v, int threads,
 }
 
 template <typename In>
-cudaError_t launch_for_type(const Params& p, int dk, dim3 grid, int block_v, int threads, cudaStream_t stream) {
-  if (dk == 64) return launch_for_dim<In, 64>(p, grid, block_v, threads, stream);
-  if (dk == 128) return launch_for_dim<In, 128>(p, grid, block_v, threads, stream);
+cudaError_t launch_for_type(const Params& p, int dk, dim3 grid, int block_v, int threads, bool programmatic,
+                            cudaStream_t stream) {
+  if (dk == 64) return launch_for_dim<In, 64>(p, grid, block_v, threads, programmatic, stream);
+  if (dk == 128) return launch_for_dim<In, 128>(p, grid, block_v, threads, programmatic, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -213,7 +247,7 @@ ffi::Error KdaDecodeImpl(
     ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> a_log, ffi::Buffer<ffi::F32> dt_bias,
     ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer /*state_in: aliased to state*/,
     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> state, int32_t block_v, int32_t threads,
-    int32_t gate, bool beta_is_logits, bool use_qk_l2norm, bool has_slots) {
+    int32_t gate, bool beta_is_logits, bool use_qk_l2norm, bool has_slots, bool programmatic) {
   // The Python wrapper checks every shape; these guard the memory the kernel touches.
   const auto q_dims = q.dimensions(), v_dims = v.dimensions(), state_dims = state->dimensions();
   if (q_dims.size() != 4 || v_dims.size() != 4 || state_dims.size() != 4 || q_dims[1] != 1)
@@ -235,13 +269,14 @@ ffi::Error KdaDecodeImpl(
   const dim3 grid(static_cast<unsigned>(dv / block_v), static_cast<unsigned>(value_heads),
                   static_cast<unsigned>(batch));
   if (batch == 0) return ffi::Error::Success();
-  cudaError_t status;
+  cudaError_t (*launch_for_q)(const Params&, int, dim3, int, int, bool, cudaStream_t);
   switch (q.element_type()) {
-    case ffi::DataType::BF16: status = launch_for_type<__nv_bfloat16>(p, dk, grid, block_v, threads, stream); break;
-    case ffi::DataType::F16: status = launch_for_type<__half>(p, dk, grid, block_v, threads, stream); break;
-    case ffi::DataType::F32: status = launch_for_type<float>(p, dk, grid, block_v, threads, stream); break;
+    case ffi::DataType::BF16: launch_for_q = launch_for_type<__nv_bfloat16>; break;
+    case ffi::DataType::F16: launch_for_q = launch_for_type<__half>; break;
+    case ffi::DataType::F32: launch_for_q = launch_for_type<float>; break;
     default: return ffi::Error::InvalidArgument("kda_decode_cuda: q must be bfloat16, float16 or float32");
   }
+  const cudaError_t status = launch_for_q(p, dk, grid, block_v, threads, programmatic, stream);
   if (status != cudaSuccess)
     return ffi::Error::Internal(std::string("kda_decode_cuda launch (K=") + std::to_string(dk) + ", block_v=" +
                                 std::to_string(block_v) + ", threads=" + std::to_string(threads) +
@@ -271,5 +306,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybraxKdaDecode, KdaDecodeImpl,
                                   .Attr<int32_t>("gate")
                                   .Attr<bool>("beta_is_logits")
                                   .Attr<bool>("use_qk_l2norm")
-                                  .Attr<bool>("has_slots"),
+                                  .Attr<bool>("has_slots")
+                                  .Attr<bool>("programmatic"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -75,7 +75,7 @@ def _library() -> None:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps"),
+    jax.jit, static_argnames=("gate", "beta_is_logits", "use_qk_l2norm", "block_v", "num_warps", "programmatic_launch"),
 )
 def fused_recurrent_decode_cuda(
     q: Float[Array, "B 1 H K"],
@@ -95,9 +95,12 @@ def fused_recurrent_decode_cuda(
     use_qk_l2norm: bool = True,
     block_v: int = 32,
     num_warps: int = 4,
+    programmatic_launch: bool = False,
 ) -> tuple[Float[Array, "B 1 HV V"], Float[Array, "S HV K V"]]:
     """One token for each of B requests; returns (o in q's dtype, the new state). Arguments as
-    `pallas_decode.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b."""
+    `pallas_decode.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b.
+    `programmatic_launch` (Hopper and later) lets the step start while the kernel before it finishes: its blocks
+    wait for that kernel's writes before reading anything."""
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     _, tokens, value_heads, dv = v.shape
@@ -125,7 +128,8 @@ def fused_recurrent_decode_cuda(
         input_output_aliases={len(arrays) - 1: 1}, vmap_method="sequential",
     )
     return call(*arrays, block_v=np.int32(block_v), threads=np.int32(32 * num_warps), gate=np.int32(GATES.index(gate)),
-                beta_is_logits=bool(beta_is_logits), use_qk_l2norm=bool(use_qk_l2norm), has_slots=has_slots)
+                beta_is_logits=bool(beta_is_logits), use_qk_l2norm=bool(use_qk_l2norm), has_slots=has_slots,
+                programmatic=bool(programmatic_launch))
 
 
 def _supports_single_token(inv: Invocation) -> str | None:
