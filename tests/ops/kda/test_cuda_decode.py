@@ -94,18 +94,27 @@ def test_pool_padding_minus_1000_and_untouched_rows():
 
 
 @gpu_only
-def test_chained_steps_without_l2_norm_follow_the_sequence():
+@pytest.mark.parametrize("programmatic", [False, True])
+def test_chained_steps_without_l2_norm_follow_the_sequence(programmatic):
+    """The steps in one program, each reading the state the one before wrote: with the programmatic launch a step
+    is scheduled while the one before runs, and must still wait for its state."""
     steps, batch = 6, 2
     inputs = [step_inputs(50 + 10 * t, batch, 1, 2, 64, 64) for t in range(steps)]
     a_log, dt_bias = inputs[0][5:]
-    state = initial = 0.1 * normal(49, (batch, 2, 64, 64))
-    outputs = []
-    for q, k, v, g, beta, _, _ in inputs:
-        o, state = fused_recurrent_decode_cuda(
-            q, k, v, g, beta, state, a_log=a_log, dt_bias=dt_bias, scale=0.125, gate="softplus",
-            beta_is_logits=True, use_qk_l2norm=False, block_v=32, num_warps=2,
-        )
-        outputs.append(o)
+    initial = 0.1 * normal(49, (batch, 2, 64, 64))
+
+    @jax.jit
+    def chain(inputs, state):
+        outputs = []
+        for q, k, v, g, beta, _, _ in inputs:
+            o, state = fused_recurrent_decode_cuda(
+                q, k, v, g, beta, state, a_log=a_log, dt_bias=dt_bias, scale=0.125, gate="softplus",
+                beta_is_logits=True, use_qk_l2norm=False, block_v=32, num_warps=2, programmatic_launch=programmatic,
+            )
+            outputs.append(o)
+        return outputs, state
+
+    outputs, state = chain(inputs, initial)
     sequence = [jnp.concatenate([step[i] for step in inputs], axis=1) for i in range(5)]
     want = reference_step(*sequence, initial, "softplus", a_log, dt_bias, use_qk_l2norm=False)
     assert_close((jnp.concatenate(outputs, axis=1), state), want, 1e-4)  # unnormalized keys: a longer lever
