@@ -74,8 +74,7 @@ def variant_name(variant: tuple[int, ...]) -> str:
 
 
 def cuda_launch_of(variant: tuple[int, int, bool]) -> dict:
-    block_v, num_warps, programmatic = variant
-    return {"block_v": block_v, "num_warps": num_warps, "programmatic_launch": programmatic}
+    return {**launch_of(variant[:2]), "programmatic_launch": variant[2]}
 
 
 def cuda_variant_name(variant: tuple[int, int, bool]) -> str:
