@@ -15,6 +15,8 @@ from hybrax.ops.kda.api import (
 from hybrax.ops.kda.tkg import kda_tkg
 from hybrax.ops.recurrent.api import RecurrentAttention, RecurrentAttentionConfig, recurrent_attention
 
+__version__ = "0.2.0"
+
 __all__ = [
     "Attention",
     "AttentionConfig",
