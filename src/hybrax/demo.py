@@ -4,6 +4,7 @@ reference and time it. `python -m hybrax.demo` prints one table.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import statistics
@@ -213,10 +214,27 @@ def context_parallel_cases() -> list[Case]:
     ]
 
 
-def main() -> None:
+CASE_GROUPS: dict[str, Callable[[], list[Case]]] = {
+    "attention": attention_cases, "recurrent": recurrent_cases, "kda": kda_cases, "parallel": context_parallel_cases,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m hybrax.demo",
+        description="Run every hybrax operation on the default device (the CPU unless JAX_PLATFORMS says otherwise), "
+                    "check each against its float64 reference and time it; prints one table.")
+    parser.add_argument("--only", choices=sorted(CASE_GROUPS), action="append",
+                        help="run only this group of operations (repeatable); default: all")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if os.environ.get("JAX_PLATFORMS") == "cpu":  # devices for context parallelism (before JAX starts its backend)
         jax.config.update("jax_num_cpu_devices", 4)
-    cases = attention_cases() + recurrent_cases() + kda_cases() + context_parallel_cases()
+    groups = args.only or list(CASE_GROUPS)
+    cases = [case for group in CASE_GROUPS if group in groups for case in CASE_GROUPS[group]()]
     print(f"hybrax demo on {jax.devices()[0].device_kind} (jax {jax.__version__})")
     header = f"{'operation':<26} {'implementation':<22} {'shape':<28} {'rel. error':>10} {'time ms':>9}"
     print(header)
