@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from hybrax.core import registry
 from hybrax.core.config import PLATFORMS, KernelConfig
 from hybrax.core.problem import array_fields, static_fields
+from hybrax.core.sharding import vary_like
 
 Cfg = TypeVar("Cfg", bound=KernelConfig)
 Out = TypeVar("Out")
@@ -152,6 +153,11 @@ class Kernel(Generic[Cfg, Out]):
         raise ValueError(f"{self.op_id}: no implementation matches cfg {cfg}")
 
     def execute(self, problem: Any, cfg: Cfg) -> Out:
+        """Run the implementation `cfg` names. Inside `jax.shard_map` every array of the problem first varies over
+        every mesh axis that one of them does: a custom backward returns cotangents varying there (they mix all the
+        inputs), which JAX accepts only for inputs of that type, and the cast's transpose sums a replicated input's
+        cotangent over the axes it was replicated on (a psum), as JAX's own autodiff would."""
+        problem = vary_like(problem, problem)
         return self.finalize(problem, self.get_impl(cfg)(problem, cfg))
 
     def run(self, *args: Any, platform: str | None = None, cfg: Cfg | None = None, **kwargs: Any) -> Out:

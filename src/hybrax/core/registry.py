@@ -6,6 +6,11 @@ Backend files register themselves when their op's package is imported:
               heuristic_cfg=..., candidate_cfgs=..., supports=...)
     def chunked(problem, cfg): ...
 
+`supports(inv)` says why an implementation cannot run a call (None: it can). One whose knobs have limits of
+its own (a Pallas kernel's chunk or tile sizes) takes the config too, `supports(inv, cfg=None)`, and says why
+it cannot run the call with that config; the registry calls it without one when choosing the implementation,
+and with the full config before an explicit or cached one runs.
+
 An implementation may bring its own gradient (`fwd`, `bwd`): the registry then wraps it in a
 `jax.custom_vjp` over the problem's arrays, so every caller gets it.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
     from hybrax.core.kernel import Invocation
 
 Fn = Callable[[Any, KernelConfig], Any]
+Supports = Callable[..., "str | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +43,7 @@ class Implementation:
     # Runtime devices on which `auto` may choose it; an explicit platform may run it anywhere
     # its `supports` allows (Pallas kernels run on the CPU in interpret mode).
     devices: frozenset[str]
-    supports: Callable[["Invocation"], str | None]
+    supports: Callable[["Invocation", KernelConfig | None], str | None]  # called as supports(inv[, cfg])
     make_heuristic_cfg: Callable[["Invocation"], KernelConfig]
     make_candidate_cfgs: Callable[["Invocation"], Sequence[KernelConfig]]
 
@@ -58,6 +65,15 @@ class Implementation:
 
 
 _REGISTRY: dict[tuple[str, str, str], Implementation] = {}
+
+
+def _supports_with_cfg(supports: Supports | None) -> Callable[["Invocation", KernelConfig | None], str | None]:
+    """`supports` as a function of (inv, cfg=None): one that reads only the invocation ignores the config."""
+    if supports is None:
+        return lambda inv, cfg=None: None
+    if len(inspect.signature(supports).parameters) >= 2:
+        return supports
+    return lambda inv, cfg=None: supports(inv)
 
 
 def _with_custom_vjp(fn: Fn, fwd: Fn, bwd: Callable[[KernelConfig, Any, Any], Any]) -> Fn:
@@ -85,7 +101,7 @@ def register(
     *,
     heuristic_cfg: Callable[["Invocation"], KernelConfig],
     candidate_cfgs: Callable[["Invocation"], Sequence[KernelConfig]] | None = None,
-    supports: Callable[["Invocation"], str | None] | None = None,
+    supports: Supports | None = None,
     priority: int = 0,
     devices: Sequence[str] = ("cpu", "gpu", "tpu"),
     fwd: Fn | None = None,
@@ -112,7 +128,7 @@ def register(
             fn=call,
             priority=priority,
             devices=frozenset(devices),
-            supports=supports or (lambda inv: None),
+            supports=_supports_with_cfg(supports),
             make_heuristic_cfg=heuristic_cfg,
             make_candidate_cfgs=candidate_cfgs or (lambda inv: [heuristic_cfg(inv)]),
         )

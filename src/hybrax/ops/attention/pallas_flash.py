@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.core import Invocation, cotangent, register
+from hybrax.core.config import is_power_of_two
 from hybrax.ops.attention import scores
 from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
 from hybrax.ops.attention.mask import PADDING_SEGMENT
@@ -36,7 +37,7 @@ def _padded_dim(size: int) -> int:
     return max(MIN_DOT, 1 << (size - 1).bit_length())
 
 
-def _supports(inv: Invocation) -> str | None:
+def _supports(inv: Invocation, cfg: AttentionConfig | None = None) -> str | None:
     arrays, static = inv.arrays, inv.static
     if static["dtype"] not in DTYPES:
         return f"the flash kernels need dtype bfloat16, float16 or float32, got {static['dtype']}"
@@ -45,7 +46,9 @@ def _supports(inv: Invocation) -> str | None:
     head_dim, v_dim = arrays["query"].shape[-1], arrays["value"].shape[-1]
     if _padded_dim(max(head_dim, v_dim)) > MAX_HEAD_DIM:
         return f"the flash kernels need head dims <= {MAX_HEAD_DIM}, got {head_dim} (query, key) and {v_dim} (value)"
-    return None
+    blocks = {} if cfg is None else {"block_q": cfg.block_q, "block_k": cfg.block_k}
+    odd = {name: size for name, size in blocks.items() if not (size >= MIN_DOT and is_power_of_two(size))}
+    return f"the flash kernels need blocks that are powers of two >= {MIN_DOT}, got {odd}" if odd else None
 
 
 # Blocks (block_q query rows, block_k keys) by head dim (padded) for 16-bit inputs, forward and backward; fp32

@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclass, static_field, vary_like
+from hybrax.core.config import is_power_of_two, knob
 from hybrax.core.kernel import Invocation
 from hybrax.core.validate import (
     check_cu_seqlens, check_divides, check_floating, check_number, check_rank, check_shape, describe, is_concrete,
@@ -33,9 +34,10 @@ CHUNK_SIZES = (16, 32, 64, 128)
 
 @dataclasses.dataclass(frozen=True)
 class KernelDeltaAttentionConfig(KernelConfig):
-    """Speed knobs only. chunk_size: tokens per chunk of the chunked implementations (16, 32, 64, 128)."""
+    """Speed knobs only. chunk_size: tokens per chunk of the chunked implementations, a power of two (XLA takes
+    any; the Pallas kernels 16, 32, 64 or 128)."""
 
-    chunk_size: int = 64
+    chunk_size: int = knob(64, need="a power of two", accept=is_power_of_two)
 
 
 @problem_dataclass

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrax.core import Invocation, register, vary_like
-from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.api import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
 from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, Packing, kda_chunk_fwd, kda_chunk_fwd_solved
 from hybrax.ops.kda.pallas_chunk_state import Segments
@@ -67,7 +67,12 @@ def _kda_chunk_bwd(*args):
 kda_chunk.defvjp(_kda_chunk_fwd, _kda_chunk_bwd)
 
 
-def _supports(inv: Invocation) -> str | None:
+def chunk_reason(chunk: int) -> str | None:
+    """Why the kernels cannot take chunks of `chunk` tokens (16-row sub-chunks, at most 128 rows), or None."""
+    return None if chunk in CHUNK_SIZES else f"needs chunk_size in {CHUNK_SIZES}, got {chunk}"
+
+
+def _supports(inv: Invocation, cfg: KernelDeltaAttentionConfig | None = None) -> str | None:
     if not inv.static["use_chunked"]:
         return "use_chunked=False asks for the recurrent scan"
     dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
@@ -75,7 +80,7 @@ def _supports(inv: Invocation) -> str | None:
         return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
     if inv.arrays["q"].dtype not in (jnp.bfloat16, jnp.float32):
         return f"needs bf16 or fp32 inputs, got {inv.arrays['q'].dtype}"
-    return None
+    return None if cfg is None else chunk_reason(cfg.chunk_size)
 
 
 def _heuristic(inv: Invocation) -> KernelDeltaAttentionConfig:

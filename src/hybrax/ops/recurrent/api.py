@@ -20,6 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclass, static_field
+from hybrax.core.config import is_power_of_two, knob
 from hybrax.core.kernel import Invocation
 from hybrax.core.validate import (
     check_divides,
@@ -40,9 +41,10 @@ CHUNKED_MIN_SEQ_LEN = 64
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentAttentionConfig(KernelConfig):
-    """`chunk_size`: tokens per chunk of the chunked backend (the scan has no knob)."""
+    """`chunk_size`: tokens per chunk of the chunked backends, a power of two (XLA takes any; the Pallas kernels
+    16, 32, 64 or 128). The scan has no knob."""
 
-    chunk_size: int = 64
+    chunk_size: int = knob(64, need="a power of two", accept=is_power_of_two)
 
 
 @problem_dataclass

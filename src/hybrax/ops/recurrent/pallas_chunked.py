@@ -22,12 +22,12 @@ from jaxtyping import Array, Float
 
 from hybrax.core import Invocation, register, vary_like
 from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM
-from hybrax.ops.kda.pallas_chunked import run_chunked
+from hybrax.ops.kda.pallas_chunked import chunk_reason, run_chunked
 from hybrax.ops.recurrent.api import OP_ID, RecurrentAttentionConfig, RecurrentProblem
 from hybrax.ops.recurrent.engine import expand_heads, key_log_decay
 
 
-def _supports(inv: Invocation) -> str | None:
+def _supports(inv: Invocation, cfg: RecurrentAttentionConfig | None = None) -> str | None:
     arrays, static = inv.arrays, inv.static
     if arrays["g_value"] is not None:
         return "the Pallas path takes no value gate (gv)"
@@ -38,7 +38,7 @@ def _supports(inv: Invocation) -> str | None:
     dk, dv = arrays["query"].shape[3], arrays["value"].shape[3]
     if max(dk, dv) > MAX_HEAD_DIM:
         return f"the Pallas path needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
-    return None
+    return None if cfg is None else chunk_reason(cfg.chunk_size)
 
 
 def _run(p: RecurrentProblem, cfg: RecurrentAttentionConfig) -> tuple[jax.Array, jax.Array]:
