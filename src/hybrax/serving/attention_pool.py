@@ -190,13 +190,15 @@ def _power_of_two(size: int) -> bool:
     return size >= 16 and size & (size - 1) == 0
 
 
-def _in_place_reason(inv: Invocation) -> str | None:
+def _in_place_reason(inv: Invocation, cfg: AttentionDecodePoolConfig | None = None) -> str | None:
     head_dim, v_dim = inv.arrays["q"].shape[-1], inv.arrays["v"].shape[-1]
     if not (_power_of_two(head_dim) and _power_of_two(v_dim) and max(head_dim, v_dim) <= 256):
         return f"the in-place kernel needs power-of-two head dims from 16 to 256, got {head_dim} and {v_dim}"
     max_len = inv.arrays["k_pool"].shape[1]
     if max_len % 16:
         return f"the in-place kernel needs a max_len that is a multiple of 16, got {max_len}"
+    if cfg is not None and not (_power_of_two(cfg.block_k) and max_len % cfg.block_k == 0):
+        return f"the in-place kernel needs block_k a power of two >= 16 dividing max_len {max_len}, got {cfg.block_k}"
     return None
 
 

@@ -26,6 +26,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, register, static_field
+from hybrax.core.config import is_power_of_two
 from hybrax.core.validate import (
     check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
     check_shape, is_concrete,
@@ -212,8 +213,10 @@ register(OP_ID, "xla", "gather_scatter", priority=10, heuristic_cfg=lambda inv: 
 )
 
 
-def _pallas_supports(inv: Invocation) -> str | None:
+def _pallas_supports(inv: Invocation, cfg: KdaDecodePoolConfig | None = None) -> str | None:
     dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
+    if cfg is not None and not (is_power_of_two(cfg.block_v) and is_power_of_two(cfg.num_warps)):
+        return f"needs block_v and num_warps powers of two, got {cfg.block_v} and {cfg.num_warps}"
     return pallas_decode.tile_reason(dk, dv)
 
 
@@ -239,9 +242,13 @@ def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tu
     )
 
 
-def _cuda_supports(inv: Invocation) -> str | None:
+def _cuda_supports(inv: Invocation, cfg: KdaDecodePoolConfig | None = None) -> str | None:
     if inv.arrays["token_slots"] is not None or inv.static["state_v_first"]:
         return "takes neither token_slots nor the V-first pool (the Pallas kernel does)"
+    dv = inv.arrays["v"].shape[3]
+    if cfg is not None and ((cfg.block_v, cfg.num_warps) not in cuda_decode.LAUNCHES or dv % cfg.block_v):
+        return (f"needs (block_v, num_warps) in {cuda_decode.LAUNCHES} with block_v dividing V = {dv}, "
+                f"got ({cfg.block_v}, {cfg.num_warps})")
     return cuda_decode.decline_reason(inv.arrays["q"].shape, inv.arrays["v"].shape, inv.platform, inv.device)
 
 
