@@ -4,6 +4,11 @@ The persistent cache is one JSON file per op under `$HYBRAX_CACHE_DIR` (default
 `~/.cache/hybrax`). A write takes an exclusive lock, re-reads the file, merges its entry and
 replaces the file atomically, so concurrent writers never lose each other's entries and readers
 never see a half-written file. Nothing touches the disk until the first write.
+
+A cache only ever saves time, so what cannot be used is ignored, with a warning once: a file that cannot
+be read (not UTF-8, not JSON, not a JSON object, a directory, the cache directory being a file) reads as
+empty, and the next write replaces it. Whether an entry is well formed and its config can run a call is the
+executor's to check (`Executor._load`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,17 @@ import json
 import os
 import pathlib
 import tempfile
+import warnings
 from typing import Any, Iterator
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A RuntimeWarning, the first time this process meets `message`."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -50,18 +65,26 @@ class PersistentCache:
         return self.directory / f"{op_id}.json"
 
     def _read(self, path: pathlib.Path) -> dict[str, Any]:
+        """The file's entries; {} when it does not exist or cannot be used (warned once)."""
         try:
-            return json.loads(path.read_text())
+            entries = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return {}
-        except json.JSONDecodeError:
-            # A corrupt file (e.g. written by an older, non-atomic tool) is ignored, not fatal.
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            # ValueError: not JSON; RecursionError: JSON nested too deep for the parser.
+            warn_once(f"hybrax: ignoring the config cache {path}: {type(exc).__name__}: {exc}")
             return {}
+        if not isinstance(entries, dict):
+            warn_once(f"hybrax: ignoring the config cache {path}: it holds a JSON {type(entries).__name__}, "
+                      f"not an object")
+            return {}
+        return entries
 
     def entries(self, op_id: str) -> dict[str, Any]:
         return self._read(self.path(op_id))
 
-    def get(self, op_id: str, key: str) -> dict[str, Any] | None:
+    def get(self, op_id: str, key: str) -> Any:
+        """The entry stored under `key` as the file holds it (whatever JSON value that is), or None."""
         return self.entries(op_id).get(key)
 
     @contextlib.contextmanager
@@ -75,13 +98,15 @@ class PersistentCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def put(self, op_id: str, key: str, entry: dict[str, Any]) -> None:
+        """Store `entry` under `key`, keeping the file's other entries (a file that cannot be read is replaced).
+        Raises OSError when the cache directory or file cannot be written."""
         with self._locked(op_id):
             path = self.path(op_id)
             entries = self._read(path)
             entries[key] = entry
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{op_id}.", suffix=".tmp")
             try:
-                with os.fdopen(fd, "w") as out:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
                     json.dump(entries, out, indent=1, sort_keys=True)
                     out.flush()
                     os.fsync(out.fileno())

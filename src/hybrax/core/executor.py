@@ -2,16 +2,19 @@
 
 Config resolution, first hit wins: explicit `cfg` -> in-memory cache -> persistent cache ->
 autotune (when enabled) -> heuristic. It needs only shapes and dtypes, so it works at trace time
-under jit, vmap, grad and checkpoint.
+under jit, vmap, grad and checkpoint. An explicit config that cannot run the call is an error; a cached
+one that cannot (or that does not parse) is a miss, warned once, and a cache that cannot be written is
+warned about once: the call goes on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from hybrax.core.autotune import Autotuner
-from hybrax.core.cache import MemoryCache, PersistentCache
+from hybrax.core.cache import MemoryCache, PersistentCache, warn_once
 from hybrax.core.config import KernelConfig
 from hybrax.core.kernel import Invocation, Kernel
 
@@ -40,16 +43,22 @@ class Executor:
         inv = kernel.invocation(problem, platform)
         return kernel.execute(problem, self.select_config(kernel, inv, cfg))
 
-    def _load(self, kernel: Kernel, entry: dict[str, Any] | None) -> KernelConfig | None:
-        """The cached config, or None when absent or naming an implementation that no longer exists."""
+    def _load(self, kernel: Kernel, inv: Invocation, entry: Any, where: str) -> KernelConfig | None:
+        """The cached config, ready to run; None when absent or doubtful (warned once): an entry that is not
+        {"cfg": {...}}, a field the config lacks or a value it cannot hold, an implementation that does not
+        exist or that declines the call."""
         if entry is None:
             return None
-        cfg = kernel.config_type.from_dict(entry["cfg"])
         try:
-            kernel.get_impl(cfg)
-        except ValueError:
+            if not isinstance(entry, dict) or "cfg" not in entry:
+                raise ValueError('the entry is not {"cfg": {...}, ...}')
+            cfg = kernel.config_type.from_dict(entry["cfg"])
+            if not cfg.is_resolved:
+                raise ValueError(f"it names no implementation ({cfg.platform}:{cfg.backend})")
+            return kernel.resolve(inv, cfg)
+        except ValueError as exc:
+            warn_once(f"hybrax: ignoring the {where} config cached for {inv.signature()}: {exc}")
             return None
-        return cfg
 
     def select_config(self, kernel: Kernel, inv: Invocation, cfg: KernelConfig | None = None) -> KernelConfig:
         if cfg is not None:
@@ -58,26 +67,39 @@ class Executor:
                     f"{kernel.op_id}: cfg must be a {kernel.config_type.__name__}, got {type(cfg).__name__}"
                 )
             return kernel.resolve(inv, cfg)
-        found = self._load(kernel, self.memory_cache.get(inv.op_id, inv.key))
+        found = self._load(kernel, inv, self.memory_cache.get(inv.op_id, inv.key), "in-memory")
         if found is not None:
             return found
         if self.persistent_cache is not None:
-            found = self._load(kernel, self.persistent_cache.get(inv.op_id, inv.key))
+            found = self._load(kernel, inv, self.persistent_cache.get(inv.op_id, inv.key), "persistent")
             if found is not None:
-                self.memory_cache.put(inv.op_id, inv.key, {"cfg": found.__dict__})
+                self.memory_cache.put(inv.op_id, inv.key, {"cfg": dataclasses.asdict(found)})
                 return found
         if self.autotuner is not None:
-            candidates = list(kernel.candidate_cfgs(inv))
+            candidates = self._runnable(kernel, inv, kernel.candidate_cfgs(inv))
             if len(candidates) > 1:
-                best, trials = self.autotuner.tune(kernel, inv, candidates)
-                timed = {t.cfg: t.time_s for t in trials}
-                entry = {"cfg": best.__dict__, "signature": inv.signature(), "time_s": timed.get(best)}
-                self.memory_cache.put(inv.op_id, inv.key, entry)
-                if self.persistent_cache is not None:
-                    self.persistent_cache.put(inv.op_id, inv.key, entry)
-                return best
+                return self._tune(kernel, inv, candidates)
         best = kernel.heuristic_cfg(inv)
-        self.memory_cache.put(inv.op_id, inv.key, {"cfg": best.__dict__})
+        self.memory_cache.put(inv.op_id, inv.key, {"cfg": dataclasses.asdict(best)})
+        return best
+
+    @staticmethod
+    def _runnable(kernel: Kernel, inv: Invocation, candidates: Sequence[KernelConfig]) -> list[KernelConfig]:
+        """The candidates whose implementation supports the call with their knobs."""
+        return [cfg for cfg in candidates if kernel.get_impl(cfg).supports(inv, cfg) is None]
+
+    def _tune(self, kernel: Kernel, inv: Invocation, candidates: Sequence[KernelConfig]) -> KernelConfig:
+        """The autotuner's choice, kept in memory and, where the disk allows, in the persistent cache: a cache
+        that cannot be written (warned once) costs this process nothing but a later process the tuning."""
+        best, trials = self.autotuner.tune(kernel, inv, candidates)
+        timed = {t.cfg: t.time_s for t in trials}
+        entry = {"cfg": dataclasses.asdict(best), "signature": inv.signature(), "time_s": timed.get(best)}
+        self.memory_cache.put(inv.op_id, inv.key, entry)
+        if self.persistent_cache is not None:
+            try:
+                self.persistent_cache.put(inv.op_id, inv.key, entry)
+            except OSError as exc:
+                warn_once(f"hybrax: cannot write the config cache {self.persistent_cache.path(inv.op_id)}: {exc}")
         return best
 
 
