@@ -1,0 +1,9 @@
+"""KDA on the TPU: Pallas Mosaic kernels, one file per stage.
+
+    chunk_gates   the gate sums within a chunk (prefix / suffix sums, never a difference of cumsums)
+    chunk_intra   A_qk, A_kk and the triangular solve T = (I + A_kk)^-1 on [C, C] tiles
+    chunk_state   the inter-chunk step of the fp32 state
+    chunk_fwd     the forward kernel (grid, blocks, layout) joining them
+    dots          the MXU products' operand dtypes and passes
+    register      the "pallas_tpu:chunked" implementation of kernel_delta_attention
+"""

@@ -1,0 +1,228 @@
+"""KDA chunked forward on the TPU: one Pallas Mosaic kernel over the grid (batch, block of value heads, chunk).
+
+Each step reads one chunk of C tokens of `block_heads` value heads (q, k [C, K], v [C, V], the log decays,
+beta per head) and does, per head, in VMEM:
+
+    q, k L2-normalized (when asked), q scaled                              fp32, VPU
+    the gate sums within the chunk (`chunk_gates`)                        VPU, no difference of cumsums
+    A_qk, A_kk and T = (I + beta A_kk)^-1 (`chunk_intra`)                  MXU, [C, C] tiles
+    w = T (beta k exp(G)), u = T (beta v), qg = q exp(G), kg = k exp(G_C - G)
+    o = qg S + A_qk v_new, S <- exp(G_C) S + kg^T v_new (`chunk_state`)     MXU, S in a VMEM scratch
+
+The chunk axis is the grid's last ("arbitrary": in order), so each head's fp32 state S lives in VMEM from
+a sequence's first chunk to its last, where it is written out as the final state. The heads of one step
+are independent chains of small matmuls, unrolled into one basic block, so that the scheduler overlaps
+them (one head's chain leaves the MXU idle while each product drains).
+
+Layout: the [B, T, heads, D] inputs are read as [B, T, heads * D] (a free reshape), one [C, block * D]
+block per step, so every block is lane-dense; K and V are padded to 128 (zero keys, gates and values
+leave the state untouched) and T to the chunk. Per-head decays and beta come as [B, HV, T, 1] columns (a
+small transpose).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float
+
+from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates, chunk_gates
+from hybrax.ops.kda.pallas_tpu.chunk_intra import (
+    factored_scores, index_grid, is_steep, unit_lower_inverse, with_exact_diagonal,
+)
+from hybrax.ops.kda.pallas_tpu.chunk_state import state_step
+from hybrax.ops.kda.pallas_tpu.dots import Dot
+from hybrax.ops.kda.reference import L2_EPS
+from hybrax.ops.pallas_shared import pallas_call
+
+LANES = 128  # the TPU's vector width: K and V are padded to it
+MAX_HEAD_DIM = LANES
+
+
+def interpret_mode():
+    """Pallas runs compiled on a TPU and in the TPU interpret mode anywhere else (the CPU tests)."""
+    return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+    return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
+
+
+class HeadChunk(NamedTuple):
+    """One head's chunk in fp32: q (normalized, scaled), k (normalized), g, beta [C, 1], its gate sums and its
+    unmasked scores."""
+
+    q: jax.Array
+    k: jax.Array
+    g: jax.Array
+    beta: jax.Array
+    gates: ChunkGates
+    scores: tuple[jax.Array, jax.Array]
+
+
+def _lanes(index: int) -> slice:
+    return slice(index * LANES, (index + 1) * LANES)
+
+
+def _head_chunk(q_ref, k_ref, g_ref, beta_ref, head: int, qk_head: int, *, scale, l2_normalize, per_head,
+                solve_dot) -> HeadChunk:
+    q, k = (ref[:, _lanes(qk_head)].astype(jnp.float32) for ref in (q_ref, k_ref))
+    if l2_normalize:
+        q, k = _l2_normalize(q), _l2_normalize(k)
+    q = q * scale
+    g = jnp.broadcast_to(g_ref[head], k.shape) if per_head else g_ref[:, _lanes(head)]
+    gates = chunk_gates(g)
+    return HeadChunk(q, k, g, beta_ref[head], gates, factored_scores(q, k, gates, solve_dot))
+
+
+def _exact_diagonals(heads: list[HeadChunk]) -> list[tuple[jax.Array, jax.Array]]:
+    return [with_exact_diagonal(*h.scores, h.q, h.k, h.g) for h in heads]
+
+
+def _finish_head(x: HeadChunk, v: jax.Array, state: jax.Array, *, dot, solve_dot) -> tuple[jax.Array, jax.Array]:
+    """(o [C, V], the state after the chunk) of one head."""
+    aqk, akk = x.scores
+    rows, cols = index_grid(*aqk.shape)
+    aqk = jnp.where(rows >= cols, aqk, 0.0)
+    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * x.beta, 0.0), solve_dot)
+    from_start = jnp.exp(x.gates.from_start())
+    w = dot(inverse, x.k * x.beta * from_start)
+    u = dot(inverse, v * x.beta)
+    kg = x.k * jnp.exp(x.gates.to_end())
+    return state_step(state, w, u, x.q * from_start, aqk, kg, jnp.exp(x.gates.total()), dot)
+
+
+def _forward_kernel(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, final_ref, state_ref, *,
+    group: int, scale: float, l2_normalize: bool, per_head: bool, dot: Dot, solve_dot: Dot,
+):
+    chunk_index = pl.program_id(2)
+
+    @pl.when(chunk_index == 0)
+    def _():
+        state_ref[...] = h0_ref[...]
+
+    block_heads = state_ref.shape[0]
+    load = functools.partial(
+        _head_chunk, q_ref, k_ref, g_ref, beta_ref, scale=scale, l2_normalize=l2_normalize, per_head=per_head,
+        solve_dot=solve_dot,
+    )
+    heads = [load(head, head // group if block_heads % group == 0 else 0) for head in range(block_heads)]
+    steep = functools.reduce(jnp.logical_or, [is_steep(h.gates) for h in heads])
+    scores = lax.cond(steep, lambda: _exact_diagonals(heads), lambda: [h.scores for h in heads])
+    for head, (x, head_scores) in enumerate(zip(heads, scores)):
+        v = v_ref[:, _lanes(head)].astype(jnp.float32)
+        o, state = _finish_head(x._replace(scores=head_scores), v, state_ref[head], dot=dot, solve_dot=solve_dot)
+        state_ref[head] = state
+        o_ref[:, _lanes(head)] = o.astype(o_ref.dtype)
+
+    @pl.when(chunk_index == pl.num_programs(2) - 1)
+    def _():
+        final_ref[...] = state_ref[...]
+
+
+def _pad(x: jax.Array, widths: dict[int, int]) -> jax.Array:
+    pads = [(0, widths.get(axis, n) - n) for axis, n in enumerate(x.shape)]
+    return jnp.pad(x, pads) if any(p for _, p in pads) else x
+
+
+def _columns(x: jax.Array, length: int) -> jax.Array:
+    """[B, T, HV] -> [B, HV, length, 1] fp32, zero-padded: per-head values as the kernel's [C, 1] blocks."""
+    return jnp.swapaxes(_pad(x.astype(jnp.float32), {1: length}), 1, 2)[..., None]
+
+
+def default_block_heads(value_heads: int, group: int) -> int:
+    """Value heads per grid step: the largest of 4, 2, 1 that divides HV and that the GQA group divides or
+    divides (so that a step reads whole query/key heads)."""
+    return next(n for n in (4, 2, 1) if value_heads % n == 0 and (n % group == 0 or group % n == 0))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "block_heads", "solve_passes", "interpret")
+)
+def kda_forward(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    g: Float[Array, "B T HV Kd"],
+    beta: Float[Array, "B T HV"],
+    initial_state: Float[Array, "B HV K V"] | None = None,
+    *,
+    scale: float,
+    l2_normalize: bool = True,
+    chunk: int = 64,
+    block_heads: int | None = None,
+    solve_passes: int | None = None,
+    interpret=None,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
+    """KDA forward on the TPU: o [B, T, HV, V] in v's dtype and the final state [B, HV, K, V] fp32.
+
+    g is the activated log decay (<= 0), per key channel (Kd = K) or per head (Kd = 1); beta activated.
+    q, k, v bf16 or fp32 with K, V <= 128; HV a multiple of H; chunk 16, 32, 64 or 128. `block_heads`: value
+    heads per grid step (None: `default_block_heads`). `solve_passes` (`dots.Dot`) is the MXU precision of
+    the scores and the triangular solve: default 6 (fp32) for fp32 inputs and 3 for bf16; the other products
+    take 6 for fp32 inputs, 1 (bf16 operands) for bf16. `interpret` None: compiled on a TPU, the TPU
+    interpret mode elsewhere.
+    """
+    batch, length, heads, dk = q.shape
+    value_heads, dv = v.shape[2:]
+    if max(dk, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"kda_forward: K and V must be <= {MAX_HEAD_DIM}, got K={dk}, V={dv}")
+    if chunk % SUB or chunk & (chunk - 1):
+        raise ValueError(f"kda_forward: chunk must be a power of two >= {SUB}, got {chunk}")
+    group = value_heads // heads
+    block_heads = block_heads or default_block_heads(value_heads, group)
+    if value_heads % block_heads or (block_heads % group and group % block_heads):
+        raise ValueError(
+            f"kda_forward: block_heads={block_heads} must divide HV={value_heads} and divide or be divided by the "
+            f"group HV/H={group}"
+        )
+    padded = -(-length // chunk) * chunk
+    fp32 = v.dtype == jnp.float32
+    dot = Dot(6 if fp32 else 1)
+    solve_dot = Dot(solve_passes or (6 if fp32 else 3))
+
+    def lanes(x: jax.Array) -> jax.Array:  # [B, T, n, D] -> [B, padded, n * 128]
+        x = _pad(x, {1: padded, 3: LANES})
+        return x.reshape(batch, padded, -1)
+
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, value_heads, dk, dv), jnp.float32)
+    per_head = g.shape[3] == 1
+    gates = _columns(g[..., 0], padded) if per_head else lanes(g.astype(jnp.float32))
+    qk_heads = max(block_heads // group, 1)  # query/key heads a step reads
+    qk_block = pl.BlockSpec(
+        (None, chunk, qk_heads * LANES), lambda b, h, t: (b, t, lax.div(h * block_heads, group * qk_heads))
+    )
+    head_block = pl.BlockSpec((None, chunk, block_heads * LANES), lambda b, h, t: (b, t, h))
+    column = pl.BlockSpec((None, block_heads, chunk, 1), lambda b, h, t: (b, h, t, 0))
+    state = pl.BlockSpec((None, block_heads, LANES, LANES), lambda b, h, t: (b, h, 0, 0))
+    kernel = functools.partial(
+        _forward_kernel, group=group, scale=scale, l2_normalize=l2_normalize, per_head=per_head, dot=dot,
+        solve_dot=solve_dot,
+    )
+    o, final = pallas_call(
+        kernel,
+        grid=(batch, value_heads // block_heads, padded // chunk),
+        in_specs=[qk_block, qk_block, head_block, column if per_head else head_block, column, state],
+        out_specs=[head_block, state],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, padded, value_heads * LANES), v.dtype),
+            jax.ShapeDtypeStruct((batch, value_heads, LANES, LANES), jnp.float32),
+        ],
+        scratch_shapes=[pltpu.VMEM((block_heads, LANES, LANES), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret_mode() if interpret is None else interpret,
+        name="kda_chunk_fwd_tpu",
+    )(
+        lanes(q), lanes(k), lanes(v), gates, _columns(beta, padded),
+        _pad(initial_state.astype(jnp.float32), {2: LANES, 3: LANES}),
+    )
+    o = o.reshape(batch, padded, value_heads, LANES)[:, :length, :, :dv]
+    return o, final[:, :, :dk, :dv]
