@@ -108,6 +108,59 @@ def test_kernel_delta_attention(backend, length):
     check_sharded(fn, (q, k, v, beta, g), (BATCH_HEADS,) * 5, (BATCH_HEADS, STATE), platform, grad_of=grad_of)
 
 
+HEAD_PARAMETER = P("model")  # [H]: a parameter per head, replicated over the data axis
+HEAD_ROWS = P("model", None)  # [H, ...]
+
+
+@pytest.mark.parametrize("backend", ["chunked", "scan", "pallas:chunked"])
+def test_recurrent_attention_replicated_decay_parameters(backend):
+    """g_gamma [H] beside the key-axis gate: a parameter replicated over the data axis, whose gradient is the sum of
+    the data shards' (the custom backward's cotangent varies over that axis, the parameter does not)."""
+    platform, backend = split(backend)
+    cfg = RecurrentAttentionConfig(platform=platform, backend=backend, chunk_size=16)
+    q, k, v = normal(0, (2, 20, 4, 16)), normal(1, (2, 20, 4, 16)), normal(2, (2, 20, 4, 16))
+    g_gamma, gk = -jax.nn.softplus(normal(3, (4,))), -jax.nn.softplus(normal(4, (2, 20, 4, 16)))
+
+    def fn(q, k, v, g_gamma, gk):
+        return recurrent_attention(q, k, v, None, g_gamma, gk, return_state=True, cfg=cfg)
+
+    specs = (BATCH_HEADS,) * 3 + (HEAD_PARAMETER, BATCH_HEADS)
+    check_sharded(fn, (q, k, v, g_gamma, gk), specs, (BATCH_HEADS, STATE), platform, grad_of=(0, 3, 4))
+
+
+@pytest.mark.parametrize("backend", ["chunked", "scan", "pallas:chunked"])
+def test_kernel_delta_attention_replicated_gate_parameters(backend):
+    """The fused gate's a_log [HV] and dt_bias [HV, K], replicated over the data axis."""
+    platform, backend = split(backend)
+    cfg = KernelDeltaAttentionConfig(platform=platform, backend=backend, chunk_size=16)
+    q, k, v = (normal(seed, (2, 20, 4, 16)) for seed in range(3))
+    beta, raw_gate = normal(3, (2, 20, 4)), normal(4, (2, 20, 4, 16))
+    a_log, dt_bias = normal(5, (4,), scale=0.5), normal(6, (4, 16))
+
+    def fn(q, k, v, beta, raw_gate, a_log, dt_bias):
+        return kernel_delta_attention(q, k, v, beta, raw_gate, return_state=True, a_log=a_log, dt_bias=dt_bias,
+                                      beta_is_logits=True, cfg=cfg)
+
+    specs = (BATCH_HEADS,) * 5 + (HEAD_PARAMETER, HEAD_ROWS)
+    check_sharded(fn, (q, k, v, beta, raw_gate, a_log, dt_bias), specs, (BATCH_HEADS, STATE), platform,
+                  grad_of=(0, 4, 5, 6))
+
+
+@pytest.mark.parametrize("backend", ["direct", "blockwise", "pallas:flash"])
+def test_attention_replicated_sinks_and_bias(backend):
+    """Sinks [H, S] and a bias shared by the batch [1, H, Q, K], replicated over the data axis."""
+    platform, backend = split(backend)
+    cfg = AttentionConfig(platform=platform, backend=backend)
+    q, k, v = normal(0, (2, 24, 4, 16)), normal(1, (2, 24, 2, 16)), normal(2, (2, 24, 2, 16))
+    bias, sinks = normal(3, (1, 4, 24, 24)), normal(4, (4, 2))
+
+    def fn(q, k, v, bias, sinks):
+        return attention(q, k, v, bias, None, sinks, causal=True, cfg=cfg)
+
+    specs = (BATCH_HEADS,) * 3 + (P(None, "model"), HEAD_ROWS)
+    check_sharded(fn, (q, k, v, bias, sinks), specs, BATCH_HEADS, platform, grad_of=(0, 3, 4))
+
+
 def check_pool_step(step, args, platform):
     """step(q, k, v, g, beta, pool, slots) -> (out, pool) with requests over the data axis and heads (the pool's
     too) over the model axis. Each data shard writes its own requests' rows, so its pool comes back alone: the
@@ -179,6 +232,16 @@ def lowering_cases():
         ("kda decode pool", functools.partial(kda_decode_pool, platform="pallas"),
          [step] * 3 + [step_gate, step_beta, pool, slots], (BATCH_HEADS,) * 5 + (POOL, P("data")),
          (BATCH_HEADS, P("data", "model")), False),
+        ("recurrent chunked, replicated g_gamma",
+         lambda q, k, v, g_gamma, gk: recurrent_attention(q, k, v, None, g_gamma, gk, platform="pallas"),
+         [tokens] * 3 + [((4,), f32), gate], (BATCH_HEADS,) * 3 + (HEAD_PARAMETER, BATCH_HEADS), BATCH_HEADS, True),
+        ("kda chunked, replicated a_log and dt_bias",
+         lambda *a: kernel_delta_attention(*a[:5], a_log=a[5], dt_bias=a[6], return_state=True, cfg=kda_cfg),
+         [tokens] * 3 + [beta, gate, ((4,), f32), ((4, 64), f32)], (BATCH_HEADS,) * 5 + (HEAD_PARAMETER, HEAD_ROWS),
+         (BATCH_HEADS, STATE), True),
+        ("attention flash, replicated sinks",
+         lambda q, k, v, sinks: attention(q, k, v, None, None, sinks, causal=True, platform="pallas"),
+         [tokens] * 3 + [((4, 2), f32)], (BATCH_HEADS,) * 3 + (HEAD_ROWS,), BATCH_HEADS, True),
         ("attention decode pool", lambda *a: attention_decode_pool(*a, platform="pallas")[0],
          [step] * 3 + [kv_pool] * 2 + [lengths] * 2,
          (BATCH_HEADS,) * 3 + (P(None, None, "model"),) * 2 + (P("data"),) * 2, BATCH_HEADS, False),
