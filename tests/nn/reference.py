@@ -1,0 +1,125 @@
+"""flash-linear-attention's layers in float64, straight from the math, on fla-format weights (names and PyTorch
+layouts): the oracle of the hybrax.nn tests. One sequence at a time ([T, hidden]); `xp` is numpy (float64 arrays) or
+jax.numpy (float64 inside jax.enable_x64, differentiable)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+L2_EPS = 1e-6
+
+
+def sigmoid(x, xp):
+    return 1.0 / (1.0 + xp.exp(-x))
+
+
+def linear(weights: dict, name: str, x, xp=np):
+    """PyTorch's nn.Linear: x weight^T + bias."""
+    y = x @ weights[name + ".weight"].T
+    return y + weights[name + ".bias"] if name + ".bias" in weights else y
+
+
+def short_conv(x, weight, bias, xp=np):
+    """Depthwise causal conv then SiLU: y_t = silu(bias + sum_j weight[:, 0, j] x_{t - (W - 1) + j}), x [T, D]."""
+    width, length = weight.shape[-1], x.shape[0]
+    padded = xp.concatenate([xp.zeros((width - 1, x.shape[1])), x], axis=0)
+    y = sum(padded[j:j + length] * weight[:, 0, j] for j in range(width))
+    if bias is not None:
+        y = y + bias
+    return y * sigmoid(y, xp)
+
+
+def rms_norm(x, weight, eps, xp=np):
+    return x / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def kda_recurrence(q, k, v, beta, decay, xp=np):
+    """fla's naive_recurrent_kda: q, k [T, H, K] (normalized), v [T, HV, V], beta [T, HV], decay [T, HV, K]. With
+    jax.numpy the loop is a lax.scan (an unrolled loop takes long to differentiate and compile)."""
+    group = v.shape[1] // q.shape[1]
+    q, k = xp.repeat(q, group, axis=1) * q.shape[-1] ** -0.5, xp.repeat(k, group, axis=1)
+
+    def step(state, token):
+        q_t, k_t, v_t, beta_t, decay_t = token
+        state = state * xp.exp(decay_t)[..., None]
+        error = v_t - xp.einsum("hk,hkv->hv", k_t, state)
+        state = state + xp.einsum("hk,hv->hkv", k_t * beta_t[:, None], error)
+        return state, xp.einsum("hk,hkv->hv", q_t, state)
+
+    state = xp.zeros((v.shape[1], q.shape[2], v.shape[2]))
+    if xp is np:
+        outputs = []
+        for token in zip(q, k, v, beta, decay):
+            state, o_t = step(state, token)
+            outputs.append(o_t)
+        return np.stack(outputs)
+    return jax.lax.scan(step, state, (q, k, v, beta, decay))[1]
+
+
+def kda_layer(w: dict, x, cfg: dict, xp=np):
+    """fla.layers.KimiDeltaAttention on one sequence x [T, hidden]. cfg: num_heads, num_v_heads, head_dim,
+    head_v_dim, use_short_conv, allow_neg_eigval, lower_bound, norm_eps."""
+    length, heads, v_heads = x.shape[0], cfg["num_heads"], cfg["num_v_heads"]
+    dk, dv = cfg["head_dim"], cfg["head_v_dim"]
+    projected = [linear(w, name, x, xp) for name in ("q_proj", "k_proj", "v_proj")]
+    if cfg["use_short_conv"]:
+        projected = [short_conv(t, w[name + ".weight"], w.get(name + ".bias"), xp)
+                     for t, name in zip(projected, ("q_conv1d", "k_conv1d", "v_conv1d"))]
+    else:
+        projected = [t * sigmoid(t, xp) for t in projected]
+    q, k = (t.reshape(length, heads, dk) for t in projected[:2])
+    q, k = (t / xp.sqrt(xp.sum(t * t, axis=-1, keepdims=True) + L2_EPS) for t in (q, k))
+    v = projected[2].reshape(length, v_heads, dv)
+    raw = linear(w, "f_proj.1", linear(w, "f_proj.0", x, xp), xp).reshape(length, v_heads, dk)
+    raw = raw + w["dt_bias"].reshape(v_heads, dk)
+    rate = xp.exp(w["A_log"])[:, None]
+    if cfg["lower_bound"] is None:
+        decay = -rate * xp.logaddexp(0.0, raw)
+    else:
+        decay = cfg["lower_bound"] * sigmoid(rate * raw, xp)
+    beta = sigmoid(linear(w, "b_proj", x, xp), xp) * (2.0 if cfg["allow_neg_eigval"] else 1.0)
+    o = kda_recurrence(q, k, v, beta, decay, xp)
+    gate = linear(w, "g_proj.1", linear(w, "g_proj.0", x, xp), xp).reshape(length, v_heads, dv)
+    o = rms_norm(o, w["o_norm.weight"], cfg["norm_eps"], xp) * sigmoid(gate, xp)
+    return linear(w, "o_proj", o.reshape(length, v_heads * dv), xp)
+
+
+def random_kda_weights(rng: np.random.Generator, hidden: int, cfg: dict, conv_size: int = 4,
+                       conv_bias: bool = False) -> dict[str, np.ndarray]:
+    """fla-format weights of a KimiDeltaAttention layer, float32, at scales that keep activations O(1)."""
+    key_dim = cfg["num_heads"] * cfg["head_dim"]
+    value_dim = cfg["num_v_heads"] * cfg["head_v_dim"]
+    shapes = {
+        "q_proj.weight": (key_dim, hidden), "k_proj.weight": (key_dim, hidden), "v_proj.weight": (value_dim, hidden),
+        "f_proj.0.weight": (cfg["head_v_dim"], hidden), "f_proj.1.weight": (cfg["num_v_heads"] * cfg["head_dim"],
+                                                                            cfg["head_v_dim"]),
+        "b_proj.weight": (cfg["num_v_heads"], hidden), "g_proj.0.weight": (cfg["head_v_dim"], hidden),
+        "g_proj.1.weight": (value_dim, cfg["head_v_dim"]), "o_proj.weight": (hidden, value_dim),
+    }
+    weights = {name: rng.normal(size=shape) / np.sqrt(shape[1]) for name, shape in shapes.items()}
+    if cfg["use_short_conv"]:
+        for name, dim in (("q_conv1d", key_dim), ("k_conv1d", key_dim), ("v_conv1d", value_dim)):
+            weights[name + ".weight"] = rng.normal(size=(dim, 1, conv_size)) * 0.6
+            if conv_bias:
+                weights[name + ".bias"] = rng.normal(size=(dim,)) * 0.2
+    weights["g_proj.1.bias"] = rng.normal(size=(value_dim,)) * 0.3
+    weights["A_log"] = np.log(rng.uniform(0.5, 4.0, size=(cfg["num_v_heads"],)))
+    weights["dt_bias"] = rng.normal(size=(cfg["num_v_heads"] * cfg["head_dim"],))
+    weights["o_norm.weight"] = 1.0 + 0.2 * rng.normal(size=(cfg["head_v_dim"],))
+    return {name: value.astype(np.float32) for name, value in weights.items()}
+
+
+def per_sequence(fn, x: np.ndarray, pieces: list[tuple[int, slice]]) -> np.ndarray:
+    """fn on each piece (row, token slice) of x [B, T, hidden] in float64; zeros elsewhere."""
+    out = np.zeros(x.shape, np.float64)
+    for row, tokens in pieces:
+        if tokens.stop > tokens.start:
+            out[row, tokens] = fn(np.asarray(x[row, tokens], np.float64))
+    return out
+
+
+def f64(weights: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {name: np.asarray(value, np.float64) for name, value in weights.items()}
