@@ -123,3 +123,57 @@ def per_sequence(fn, x: np.ndarray, pieces: list[tuple[int, slice]]) -> np.ndarr
 
 def f64(weights: dict[str, Any]) -> dict[str, np.ndarray]:
     return {name: np.asarray(value, np.float64) for name, value in weights.items()}
+
+
+def rope(x, positions, theta, xp=np):
+    """Rotate-half rotary embedding: x [T, heads, D], pairs (i, i + D/2) turned by p * theta^(-2i/D)."""
+    half = x.shape[-1] // 2
+    angle = np.asarray(positions, np.float64)[:, None, None] * theta ** (-2.0 * np.arange(half) / x.shape[-1])
+    x1, x2 = x[..., :half], x[..., half:]
+    return xp.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], -1)
+
+
+def attention_layer(w: dict, x, cfg: dict, xp=np):
+    """fla.layers.Attention on one sequence x [T, hidden]. cfg: num_heads, num_kv_heads, head_dim, rope_theta,
+    sliding_window (w: keys i - w .. i), qk_norm, sinks, norm_eps."""
+    length, heads, kv_heads, dim = x.shape[0], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    q = linear(w, "q_proj", x, xp).reshape(length, heads, dim)
+    k = linear(w, "k_proj", x, xp).reshape(length, kv_heads, dim)
+    v = linear(w, "v_proj", x, xp).reshape(length, kv_heads, dim)
+    if cfg["qk_norm"]:
+        q = rms_norm(q, w["q_norm.weight"], cfg["norm_eps"], xp)
+        k = rms_norm(k, w["k_norm.weight"], cfg["norm_eps"], xp)
+    if cfg["rope_theta"] is not None:
+        q, k = rope(q, np.arange(length), cfg["rope_theta"], xp), rope(k, np.arange(length), cfg["rope_theta"], xp)
+    k, v = xp.repeat(k, heads // kv_heads, axis=1), xp.repeat(v, heads // kv_heads, axis=1)
+    scores = xp.einsum("thd,shd->hts", q, k) / np.sqrt(dim)
+    query, key = np.arange(length)[:, None], np.arange(length)[None, :]
+    visible = key <= query
+    if cfg["sliding_window"] is not None:
+        visible &= query - key <= cfg["sliding_window"]
+    scores = xp.where(visible, scores, -np.inf)
+    sink = (w["sinks"] if cfg["sinks"] else xp.full((heads,), -np.inf))[:, None, None]
+    top = xp.maximum(xp.max(scores, axis=-1, keepdims=True), sink)
+    weights = xp.exp(scores - top)
+    weights = weights / (xp.sum(weights, axis=-1, keepdims=True) + xp.exp(sink - top))
+    o = xp.einsum("hts,shd->thd", weights, v)
+    return linear(w, "o_proj", o.reshape(length, heads * dim), xp)
+
+
+def random_attention_weights(rng: np.random.Generator, hidden: int, cfg: dict, qkv_bias: bool = False
+                             ) -> dict[str, np.ndarray]:
+    """fla-format weights of an Attention layer (plus `sinks`), float32."""
+    heads, kv_heads, dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    shapes = {"q_proj.weight": (heads * dim, hidden), "k_proj.weight": (kv_heads * dim, hidden),
+              "v_proj.weight": (kv_heads * dim, hidden), "o_proj.weight": (hidden, heads * dim)}
+    weights = {name: rng.normal(size=shape) / np.sqrt(shape[1]) for name, shape in shapes.items()}
+    weights["q_proj.weight"] *= 2.0  # sharper attention than random projections give
+    if qkv_bias:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weights[name + ".bias"] = rng.normal(size=(shapes[name + ".weight"][0],)) * 0.3
+    if cfg["qk_norm"]:
+        weights["q_norm.weight"] = 1.0 + 0.5 * rng.normal(size=(dim,))
+        weights["k_norm.weight"] = 1.0 + 0.5 * rng.normal(size=(dim,))
+    if cfg["sinks"]:
+        weights["sinks"] = rng.normal(size=(heads,))
+    return {name: value.astype(np.float32) for name, value in weights.items()}

@@ -10,10 +10,14 @@ except ImportError as error:
         "hybrax.nn needs Flax (flax.nnx), which hybrax installs with its `nn` extra: pip install 'hybrax[nn]'"
     ) from error
 
+from hybrax.nn.attention import Attention, AttentionCache
+from hybrax.nn.cache import HybridCache, SlotAllocator
 from hybrax.nn.conv import ShortConvolution
 from hybrax.nn.kda import KdaCache, KimiDeltaAttention, kimi_linear_to_fla
 from hybrax.nn.norm import GatedRMSNorm, RMSNorm
+from hybrax.nn.packing import sequence_lengths
 
 __all__ = [
-    "GatedRMSNorm", "KdaCache", "KimiDeltaAttention", "RMSNorm", "ShortConvolution", "kimi_linear_to_fla",
+    "Attention", "AttentionCache", "GatedRMSNorm", "HybridCache", "KdaCache", "KimiDeltaAttention", "RMSNorm",
+    "ShortConvolution", "SlotAllocator", "kimi_linear_to_fla", "sequence_lengths",
 ]

@@ -1,0 +1,127 @@
+"""`attention_prefill_pool`: new prompts into an attention layer's KV cache pool, by slot, in KDA's prefill layout.
+
+A batch of B prompts of T tokens (slots [B]), or N prompts packed in a batch of one (cu_seqlens [N + 1], slots [N],
+as `kda_prefill_pool` takes them). Each prompt starts its slot's row afresh: token i of a prompt writes its key
+and value at position i of row slots[n] (whatever the row held before: a recycled slot), and attends causally to
+the tokens of its own prompt (within `sliding_window`, with `attention`'s soft cap and sinks):
+
+    out_i = softmax_j<=i (scale q_i . k_j) v_j        over the prompt's tokens j (and i - j <= sliding_window)
+
+so that `attention_decode_pool` continues each request from cached length = its prompt's length. Slot -1 marks a
+padded prompt and tokens past cu_seqlens[-1] are padding: they read nothing, write nothing and output zeros.
+Prompts must fit their rows (length <= max_len; checked when concrete, writes past the end dropped under jit).
+The attention itself is `hybrax.attention` over the packed tokens with segment ids (flash kernels on a GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from hybrax.core.validate import check_cu_seqlens, check_floating, check_rank, check_shape, is_concrete
+from hybrax.ops.attention.api import attention
+from hybrax.ops.attention.mask import MaskInfo
+from hybrax.serving.prefill import check_slots, token_sequence
+
+
+def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any) -> None:
+    check_rank("q", q, 4, "[batch, seq_len, num_heads, head_dim]")
+    batch, length, _, head_dim = jnp.shape(q)
+    check_rank("k", k, 4, "[batch, seq_len, num_kv_heads, head_dim]")
+    kv_heads = jnp.shape(k)[2]
+    check_shape("k", k, (batch, length, kv_heads, head_dim), "[batch, seq_len, num_kv_heads, head_dim] (q's)")
+    check_rank("v", v, 4, "[batch, seq_len, num_kv_heads, v_head_dim]")
+    v_dim = jnp.shape(v)[3]
+    check_shape("v", v, (batch, length, kv_heads, v_dim), "[batch, seq_len, num_kv_heads, v_head_dim] (k's)")
+    check_rank("k_pool", k_pool, 4, "[num_slots, max_len, num_kv_heads, head_dim]")
+    num_slots, max_len = jnp.shape(k_pool)[:2]
+    check_shape("k_pool", k_pool, (num_slots, max_len, kv_heads, head_dim),
+                "[num_slots, max_len, num_kv_heads, head_dim] (k's heads and dim)")
+    check_shape("v_pool", v_pool, (num_slots, max_len, kv_heads, v_dim),
+                "[num_slots, max_len, num_kv_heads, v_head_dim] (k_pool's slots and length, v's heads and dim)")
+    for name, array in (("q", q), ("k", k), ("v", v), ("k_pool", k_pool), ("v_pool", v_pool)):
+        check_floating(name, array)
+
+
+def _check_fit(slots: Any, cu_seqlens: Any, length: int, max_len: int) -> None:
+    """When concrete: every real prompt (T tokens each, or as cu_seqlens says) fits its row."""
+    if not (is_concrete(slots) and is_concrete(cu_seqlens)):
+        return
+    lengths = np.full(np.shape(slots), length) if cu_seqlens is None else np.diff(np.asarray(cu_seqlens))
+    real = lengths[np.asarray(slots) >= 0]
+    if np.any(real > max_len):
+        raise ValueError(f"prompts must fit their rows: lengths <= max_len = {max_len} (the pools' dim 1), got "
+                         f"lengths {real.tolist()} for the prompts with a slot")
+
+
+def _token_places(slots: jax.Array, batch: int, length: int, cu_seqlens: jax.Array | None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(segment ids [B, T] (-1: padding), each token's slot [B, T] (-1: padding), its position in its prompt)."""
+    if cu_seqlens is None:
+        token_slots = jnp.broadcast_to(slots[:, None], (batch, length))
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        return None, token_slots, positions
+    sequences = cu_seqlens.shape[0] - 1
+    sequence = token_sequence(cu_seqlens, length)
+    inside = sequence < sequences
+    sequence = jnp.minimum(sequence, sequences - 1)
+    token_slots = jnp.where(inside, slots[sequence], -1)
+    positions = jnp.arange(length, dtype=jnp.int32) - cu_seqlens[sequence]
+    segments = jnp.where(token_slots >= 0, sequence, -1)
+    return segments[None], token_slots[None], positions[None]
+
+
+def attention_prefill_pool(
+    q: Float[Array, "batch seq_len num_heads head_dim"],
+    k: Float[Array, "batch seq_len num_kv_heads head_dim"],
+    v: Float[Array, "batch seq_len num_kv_heads v_head_dim"],
+    k_pool: Float[Array, "num_slots max_len num_kv_heads head_dim"],
+    v_pool: Float[Array, "num_slots max_len num_kv_heads v_head_dim"],
+    slots: Int[Array, " num_sequences"],
+    /,
+    *,
+    cu_seqlens: Int[Array, " num_sequences_plus_1"] | None = None,
+    sliding_window: int | None = None,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    softmax_aux: Float[Array, "num_heads num_sinks"] | None = None,
+    platform: str | None = None,
+) -> tuple[Float[Array, "batch seq_len num_heads v_head_dim"], Float[Array, "num_slots max_len num_kv_heads head_dim"],
+           Float[Array, "num_slots max_len num_kv_heads v_head_dim"]]:
+    """Prefill B prompts (or N packed ones with cu_seqlens, batch 1) into their rows of the KV pools; see the module
+    doc. `sliding_window` w keeps the keys of the w positions before each token and its own, as
+    `attention_decode_pool`; `platform` goes to `attention`.
+
+    Returns:
+        (output [B, T, H, Dv] in q's dtype, k_pool, v_pool with the prompts written).
+    """
+    _check(q, k, v, k_pool, v_pool)
+    batch, length = jnp.shape(q)[:2]
+    num_slots, max_len = jnp.shape(k_pool)[:2]
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, batch, length, "q")
+    count = batch if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
+    check_slots(slots, None, count, num_slots, packed=cu_seqlens is not None)
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 0):
+        raise ValueError(f"sliding_window must be an int >= 0 (keys back from each token) or None, "
+                         f"got {sliding_window!r}")
+    _check_fit(slots, cu_seqlens, length, max_len)
+
+    slots = jnp.asarray(slots, jnp.int32)
+    slots = jnp.where((slots >= 0) & (slots < num_slots), slots, -1)  # under jit, anything else is padding too
+    cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+    segments, token_slots, positions = _token_places(slots, batch, length, cu_seqlens)
+    real = token_slots >= 0
+    mask_info = None if segments is None else MaskInfo.from_segments(segments)
+    out = attention(q, k, v, None, None, softmax_aux, mask_info=mask_info, causal=True,
+                    sliding_window=None if sliding_window is None else (sliding_window, 0),
+                    softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, platform=platform)
+    out = jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype)).astype(q.dtype)
+    rows = jnp.where(real, token_slots, num_slots)  # out of bounds: dropped
+    k_pool = k_pool.at[rows, positions].set(k.astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[rows, positions].set(v.astype(v_pool.dtype), mode="drop")
+    return out, k_pool, v_pool
