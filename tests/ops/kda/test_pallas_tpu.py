@@ -127,7 +127,9 @@ CFG = KernelDeltaAttentionConfig("pallas_tpu", "chunked", chunk_size=64)
 def test_public_api_outputs_and_gradients_against_float64():
     """Fused gates, beta logits, T = 45; gradients through the XLA chunked backward."""
     case = "softplus_gate"
-    arrays, options, weights, outputs, gradients = reference_case(case)
+    with jax.default_device(jax.devices("cpu")[0]):  # the float64 oracle (on a TPU too)
+        arrays, options, weights, outputs, gradients = reference_case(case)
+    arrays, weights = jax.device_put((arrays, weights), jax.devices()[0])
     fused = {n: arrays[n] for n in ("a_log", "dt_bias") if n in arrays}
     got = kernel_delta_attention(*(arrays[n] for n in ("q", "k", "v", "beta", "decay", "initial_state")),
                                  return_state=True, cfg=CFG, **fused, **options)

@@ -32,9 +32,15 @@ from jax.experimental.pallas import tpu as pltpu
 SUB = 16  # rows per sub-chunk: the diagonal blocks of the scores, and the scans' segments
 
 
+def block_of(index: jax.Array, size: int) -> jax.Array:
+    """index // size for int32 indices >= 0 and a power of two `size`, as a shift: the TPU's vector units
+    have no integer division (and jnp's // and % lower a sign, which Mosaic takes only on some chips)."""
+    return lax.shift_right_logical(index, size.bit_length() - 1)
+
+
 def row_in_segment(shape: tuple[int, int], segment: int) -> jax.Array:
-    """Each row's index within its segment of `segment` rows, as an int32 array of `shape`."""
-    return lax.rem(lax.broadcasted_iota(jnp.int32, shape, 0), segment)  # lax.rem: jnp's % lowers a sign
+    """Each row's index within its segment of `segment` rows (a power of two), as an int32 array of `shape`."""
+    return lax.bitwise_and(lax.broadcasted_iota(jnp.int32, shape, 0), segment - 1)
 
 
 def segment_prefix(x: jax.Array, segment: int) -> jax.Array:

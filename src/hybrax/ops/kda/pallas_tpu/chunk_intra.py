@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates, row_in_segment, segment_prefix
+from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates, block_of, row_in_segment, segment_prefix
 from hybrax.ops.kda.pallas_tpu.dots import Dot
 
 # The largest decay within one sub-chunk that the diagonal blocks take as a product: exp(60) = 1e26 keeps
@@ -30,8 +30,7 @@ from hybrax.ops.kda.pallas_tpu.dots import Dot
 STEEP = 60.0
 
 def index_grid(rows: int, cols: int) -> tuple[jax.Array, jax.Array]:
-    """Row and column indices of a [rows, cols] tile (divided with lax.div: jnp's // lowers a sign, which
-    Mosaic takes only on some chips)."""
+    """Row and column indices of a [rows, cols] tile."""
     return lax.broadcasted_iota(jnp.int32, (rows, cols), 0), lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
 
 
@@ -82,7 +81,7 @@ def with_exact_diagonal(
     chunk, width = q.shape
     local = row_in_segment((chunk, width), SUB)
     rows, cols = index_grid(chunk, chunk)
-    first_col = lax.div(rows, SUB) * SUB
+    first_col = block_of(rows, SUB) * SUB
 
     def column(c, blocks):
         diag_qk, diag_kk = blocks
@@ -100,7 +99,7 @@ def with_exact_diagonal(
 
     zeros = jnp.zeros((chunk, chunk), jnp.float32)
     diag_qk, diag_kk = lax.fori_loop(0, SUB, column, (zeros, zeros))
-    on_diagonal = lax.div(rows, SUB) == lax.div(cols, SUB)
+    on_diagonal = block_of(rows, SUB) == block_of(cols, SUB)
     return jnp.where(on_diagonal, diag_qk, aqk), jnp.where(on_diagonal, diag_kk, akk)
 
 
@@ -112,11 +111,11 @@ def unit_lower_inverse(strict_lower: jax.Array, dot: Dot) -> jax.Array:
     larger ones: two [n, n] matmuls per doubling."""
     n = strict_lower.shape[0]
     rows, cols = index_grid(n, n)
-    pairs = (lax.div(rows, 2) == lax.div(cols, 2)) & (rows > cols)
-    inverse = (rows == cols).astype(jnp.float32) - jnp.where(pairs, strict_lower, 0.0)
+    pairs = (block_of(rows, 2) == block_of(cols, 2)) & (rows > cols)
+    inverse = jnp.where(rows == cols, 1.0, 0.0) - jnp.where(pairs, strict_lower, 0.0)
     size = 2
     while size < n:
-        below = (lax.div(rows, 2 * size) == lax.div(cols, 2 * size)) & (lax.div(rows, size) > lax.div(cols, size))
+        below = (block_of(rows, 2 * size) == block_of(cols, 2 * size)) & (block_of(rows, size) > block_of(cols, size))
         inverse = inverse - dot(inverse, dot(jnp.where(below, strict_lower, 0.0), inverse))
         size *= 2
     return inverse

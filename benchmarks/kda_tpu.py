@@ -1,0 +1,216 @@
+"""KDA chunked on one TPU: the Pallas Mosaic forward (pallas_tpu:chunked) against our XLA chunked path.
+
+Run on the TPU machine (JAX 0.10.2 there; jaxtyping and einops from its own index, see shared/tpu/README.md):
+
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --isolated --only-binary=:all: \
+        --index-url file:///opt/pypi/simple --target /tmp/site jaxtyping einops
+    PYTHONPATH=$PYTHONPATH:/tmp/site:$PWD/src:$PWD python3 benchmarks/kda_tpu.py --tests
+
+In one process (one program at a time may hold the chip): with --tests, tests/ops/kda/test_pallas_tpu.py
+first, its kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each shape:
+  sweep   the forward kernel alone (`kda_forward`) over chunk, value heads per grid step and the MXU passes
+          of the scores and the solve, each with its error against the XLA fp32 path;
+  api     forward and forward+backward through `kernel_delta_attention`, ours (default config) and XLA's,
+          with the full-size errors of ours against XLA on fp32 inputs (out and final state);
+  steep   the default config and XLA on gates of -5 sigmoid(N(0, 1)) per token (most sub-chunks then
+          decay by more than exp(60) in some channel: the exact diagonal blocks run).
+Times: median over rounds of the mean of back-to-back jitted calls (block_until_ready). A table is printed
+after each part, the last one short; everything goes to $OUT/kda_tpu.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import print_table  # noqa: E402
+
+from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
+from hybrax.ops.kda.pallas_tpu import register  # noqa: E402,F401  (registers pallas_tpu:chunked)
+from hybrax.ops.kda.pallas_tpu.chunk_fwd import kda_forward  # noqa: E402
+
+SHAPES = [(1, 8192, 16, 128), (8, 2048, 16, 128)]
+SWEEP = [  # (chunk, block_heads, solve_passes)
+    *itertools.product((64, 128), (1, 4), (1, 3)),
+]
+START = time.perf_counter()
+RESULTS: dict = {"device": None, "sweep": [], "api": [], "steep": [], "errors": []}
+
+
+def log(text: str) -> None:
+    print(f"[{time.perf_counter() - START:6.1f}s] {text}", flush=True)
+
+
+def save() -> None:
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "kda_tpu.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def time_ms(fn, *args, reps: int = 5, rounds: int = 5) -> float:
+    """Median over rounds of the mean time of `reps` back-to-back calls (ms)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / reps * 1e3)
+    return statistics.median(times)
+
+
+def make_inputs(seed: int, batch: int, length: int, heads: int, dim: int, steep: bool = False):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q, k, v = (jax.random.normal(keys[i], (batch, length, heads, dim), jnp.bfloat16) for i in range(3))
+    if steep:  # a bounded gate as Kimi Linear's (lower bound -5)
+        g = -5.0 * jax.nn.sigmoid(jax.random.normal(keys[3], (batch, length, heads, dim), jnp.float32))
+    else:  # flash-linear-attention's benchmark gates
+        g = -0.5 * jax.random.uniform(keys[3], (batch, length, heads, dim), jnp.float32)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, length, heads), jnp.float32))
+    return q, k, v, g, beta
+
+
+def runners(platform: str, scale: float):
+    """(forward, forward+backward) through the public API; platform None: auto."""
+    cfg = None if platform is None else KernelDeltaAttentionConfig(platform=platform, backend="chunked")
+
+    def forward(q, k, v, g, beta):
+        return kernel_delta_attention(q, k, v, beta, g, softmax_scale=scale, return_state=True, cfg=cfg)
+
+    def loss(q, k, v, g, beta):
+        o, final = forward(q, k, v, g, beta)
+        return jnp.sum(o.astype(jnp.float32) * v.astype(jnp.float32)) + jnp.sum(final)
+
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def reference_fp32(inputs, scale: float):
+    """Our XLA chunked path on the inputs cast to fp32: the full-size reference."""
+    q, k, v, g, beta = inputs
+    forward, _ = runners("xla", scale)
+    return forward(*(x.astype(jnp.float32) for x in (q, k, v)), g, beta)
+
+
+DEADLINE = [float("inf")]  # seconds since START after which no new part starts
+
+
+def guarded(what: str, fn):
+    if time.perf_counter() - START > DEADLINE[0]:
+        log(f"{what} skipped: past the time budget")
+        return None
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001  (a variant that fails to compile must not stop the others)
+        text = traceback.format_exc()
+        log(f"{what} FAILED:\n{text[-2500:]}")
+        RESULTS["errors"].append({"what": what, "error": text[-2500:]})
+        return None
+
+
+def sweep(shape, inputs, reference, variants) -> None:
+    scale = shape[3] ** -0.5
+    q, k, v, g, beta = inputs
+    for chunk, block_heads, passes in variants:
+        name = f"C{chunk} heads{block_heads} passes{passes}"
+        fn = jax.jit(lambda *x, c=chunk, b=block_heads, p=passes: kda_forward(
+            *x, scale=scale, chunk=c, block_heads=b, solve_passes=p))
+
+        def run():
+            start = time.perf_counter()
+            o, final = jax.block_until_ready(fn(q, k, v, g, beta))
+            compile_s = time.perf_counter() - start
+            return dict(shape=str(shape), variant=name, fwd_ms=round(time_ms(fn, q, k, v, g, beta), 3),
+                        err_o=f"{rel(o.astype(jnp.float32), reference[0]):.1e}",
+                        err_state=f"{rel(final, reference[1]):.1e}", first_call_s=round(compile_s, 1))
+
+        row = guarded(f"sweep {shape} {name}", run)
+        if row:
+            RESULTS["sweep"].append(row)
+            log(str(row))
+            save()
+
+
+def api(shape, inputs, reference, steep: bool = False) -> None:
+    scale = shape[3] ** -0.5
+    rows = RESULTS["steep" if steep else "api"]
+    for platform in ("pallas_tpu", "xla"):
+        forward, backward = runners(platform, scale)
+
+        def run():
+            o, final = forward(*inputs)
+            row = dict(shape=str(shape), platform=platform, fwd_ms=round(time_ms(forward, *inputs), 3),
+                       err_o=f"{rel(o.astype(jnp.float32), reference[0]):.1e}",
+                       err_state=f"{rel(final, reference[1]):.1e}")
+            if not steep:
+                row["fwd_bwd_ms"] = round(time_ms(backward, *inputs, reps=2, rounds=3), 3)
+            return row
+
+        row = guarded(f"{'steep' if steep else 'api'} {shape} {platform}", run)
+        if row:
+            rows.append(row)
+            log(str(row))
+            save()
+
+
+def run_tests() -> None:
+    import pytest
+
+    log("tests/ops/kda/test_pallas_tpu.py, compiled")
+    code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/ops/kda/test_pallas_tpu.py"])
+    RESULTS["tests_exit_code"] = int(code)
+    save()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tests", action="store_true", help="run tests/ops/kda/test_pallas_tpu.py first")
+    parser.add_argument("--parts", default="sweep,api,steep")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of SHAPES")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no part starts")
+    args = parser.parse_args()
+    DEADLINE[0] = args.budget
+    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    log(f"jax {jax.__version__} on {RESULTS['device']}")
+    if args.tests:
+        run_tests()
+    parts = args.parts.split(",")
+    variants = SWEEP
+    for index, shape in enumerate(SHAPES[:args.shapes]):
+        inputs = make_inputs(0, *shape)
+        reference = reference_fp32(inputs, shape[3] ** -0.5)
+        if "sweep" in parts:
+            sweep(shape, inputs, reference, variants)
+            # Later shapes: the two fastest variants of the first.
+            timed = sorted((r["fwd_ms"], r["variant"]) for r in RESULTS["sweep"] if r["shape"] == str(SHAPES[0]))
+            variants = [v for v in SWEEP if f"C{v[0]} heads{v[1]} passes{v[2]}" in [n for _, n in timed[:2]]]
+        if "api" in parts:
+            api(shape, inputs, reference)
+        if "steep" in parts and index == 0:
+            steep = make_inputs(1, *shape, steep=True)
+            api(shape, steep, reference_fp32(steep, shape[3] ** -0.5), steep=True)
+    print_table(RESULTS["sweep"], ["shape", "variant", "fwd_ms", "err_o", "err_state", "first_call_s"])
+    print_table(RESULTS["steep"], ["shape", "platform", "fwd_ms", "err_o", "err_state"])
+    print_table(RESULTS["api"], ["shape", "platform", "fwd_ms", "fwd_bwd_ms", "err_o", "err_state"])
+    if RESULTS["errors"]:
+        print(f"{len(RESULTS['errors'])} part(s) failed: " + "; ".join(e["what"] for e in RESULTS["errors"]))
+
+
+if __name__ == "__main__":
+    main()
