@@ -86,9 +86,20 @@ def check_positive_number(name: str, value: Any) -> float:
     return check_number(name, value, "a number > 0", lambda number: number > 0)
 
 
+def check_at_least_one(name: str, array: Any, axes: dict[int, str]) -> None:
+    """Each named axis of `array` ({position: name}, e.g. {3: "head_dim"}) has size >= 1."""
+    shape = jnp.shape(array)
+    empty = [axis_name for axis, axis_name in axes.items() if shape[axis] < 1]
+    if empty:
+        raise ValueError(f"{name} must have {' and '.join(empty)} of at least 1, got shape {describe(shape)}")
+
+
 def check_cu_seqlens(cu_seqlens: Any, batch: int, length: int, batch_of: str) -> None:
-    """Packed sequence boundaries [num_sequences + 1] into a batch of one of `length` tokens (`batch_of` names the
-    array whose batch that is); values are checked unless traced."""
+    """The packed-sequence rule of every op that takes `cu_seqlens`: an integer array [num_sequences + 1] with
+    num_sequences >= 1, packing sequences into a batch of one of `length` tokens (`batch_of` names the array
+    whose batch that is); cu_seqlens[0] == 0, never decreasing (empty sequences allowed), cu_seqlens[-1] <=
+    length. Sequence n is tokens cu_seqlens[n]:cu_seqlens[n + 1]; tokens from cu_seqlens[-1] on belong to no
+    sequence: their outputs are zeros and they change no state. Values are checked unless traced (under jit)."""
     check_integer("cu_seqlens", cu_seqlens)
     check_rank("cu_seqlens", cu_seqlens, 1, "[num_sequences + 1]")
     if jnp.shape(cu_seqlens)[0] < 2:

@@ -24,7 +24,7 @@ from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclas
 from hybrax.core.config import is_power_of_two, knob
 from hybrax.core.kernel import Invocation
 from hybrax.core.validate import (
-    check_cu_seqlens, check_divides, check_floating, check_number, check_rank, check_shape, describe, is_concrete,
+    check_at_least_one, check_cu_seqlens, check_divides, check_floating, check_number, check_rank, check_shape, describe, is_concrete,
 )
 from hybrax.ops.kda.gate import activate_beta, fused_gate
 
@@ -52,7 +52,8 @@ class KdaProblem:
         decay, activated, expected <= 0 (zeros: no decay).
     initial_state [B, HV, K, V] fp32, or [N, HV, K, V] with cu_seqlens, or None (zeros).
     cu_seqlens [N + 1] int32 or None: packed sequences in a batch of one; sequence n is tokens
-        cu_seqlens[n]:cu_seqlens[n + 1]. Tokens past cu_seqlens[-1] belong to none: output 0.
+        cu_seqlens[n]:cu_seqlens[n + 1]. Tokens past cu_seqlens[-1] belong to none: output 0
+        (`hybrax.core.validate.check_cu_seqlens` states the rule).
     chunk_size and use_chunked are the caller's hints (the default config's chunk size, and whether
     the chunked algorithm is wanted); they never change the result.
     """
@@ -91,6 +92,8 @@ def _check_qkv(query: Any, key: Any, value: Any) -> None:
     check_rank("value", value, 4, "[batch, seq_len, num_value_heads, v_head_dim]")
     batch, length, heads, _ = jnp.shape(query)
     check_shape("value", value, (batch, length, None, None), "[batch, seq_len, num_value_heads, v_head_dim]")
+    check_at_least_one("query", query, {0: "batch", 2: "num_heads", 3: "head_dim"})
+    check_at_least_one("value", value, {2: "num_value_heads", 3: "v_head_dim"})
     check_divides("num_heads of query", heads, "num_value_heads of value", jnp.shape(value)[2])
     for name, array in (("query", query), ("key", key), ("value", value)):
         check_floating(name, array)
@@ -235,7 +238,8 @@ def kernel_delta_attention(
     With a_log [HV] (and dt_bias [HV, K] or [HV*K]) decay is the raw gate input, activated as
     -exp(a_log) * softplus(decay + dt_bias), or lower_bound * sigmoid(exp(a_log) * (decay + dt_bias))
     when lower_bound is set. beta_is_logits: beta goes through a sigmoid. cu_seqlens [N + 1] int32:
-    packed sequences in a batch of one, initial and final state [N, HV, K, V]. Value heads may be a
+    packed sequences in a batch of one, initial and final state [N, HV, K, V]; it rises from 0 to at most
+    seq_len, and tokens from cu_seqlens[-1] on belong to no sequence (zero output). Value heads may be a
     multiple of the query/key heads. chunk_size and use_chunked choose the default config only.
     """
     return default_executor()(

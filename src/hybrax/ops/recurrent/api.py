@@ -16,17 +16,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import Kernel, KernelConfig, default_executor, problem_dataclass, static_field
 from hybrax.core.config import is_power_of_two, knob
 from hybrax.core.kernel import Invocation
 from hybrax.core.validate import (
+    check_at_least_one,
+    check_cu_seqlens,
     check_divides,
     check_number,
     check_floating,
-    check_integer,
     check_rank,
     check_shape,
     describe,
@@ -57,8 +57,8 @@ class RecurrentProblem:
     g_scalar: jax.Array | None  # [B,T,H]: g given per head, plus g_gamma
     g_key: jax.Array | None  # [B,T,H,K]: g given per key channel, plus gk
     g_value: jax.Array | None  # [B,T,H,V]
-    initial_state: jax.Array | None  # [B,H,K,V], or [N,H,K,V] with cu_seqlens
-    cu_seqlens: jax.Array | None  # [N+1]
+    initial_state: jax.Array | None  # [B,H,K,V], or [N+1,H,K,V] with cu_seqlens
+    cu_seqlens: jax.Array | None  # [N+2]: the caller's N sequences and one of the tokens past them, from 0 to T
     scale: float = static_field()
     reverse: bool = static_field(False)
     return_state: bool = static_field(False)
@@ -70,20 +70,21 @@ def _add(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
     return a + b
 
 
-def _check_cu_seqlens(cu_seqlens: Any, batch: int, seq_len: int) -> None:
-    check_integer("cu_seqlens", cu_seqlens)
-    check_rank("cu_seqlens", cu_seqlens, 1, "[num_seqs + 1]")
-    if jnp.shape(cu_seqlens)[0] < 2:
-        raise ValueError(
-            f"cu_seqlens must have shape [num_seqs + 1] with num_seqs >= 1, got {describe(jnp.shape(cu_seqlens))}"
-        )
-    if batch != 1:
-        raise ValueError(f"cu_seqlens packs sequences into batch 1, but query has batch {batch}")
-    if isinstance(cu_seqlens, jax.core.Tracer):
-        return  # values are only known at run time
-    values = np.asarray(cu_seqlens).tolist()
-    if values[0] != 0 or values[-1] != seq_len or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to seq_len ({seq_len}) without decreasing, got {values}")
+def _cover_every_token(cu_seqlens: jax.Array, initial_state: jax.Array | None, seq_len: int):
+    """(cu_seqlens [N + 2] with one more sequence, the tokens from cu_seqlens[-1] on (none when it is seq_len),
+    the initial states with zeros for it): the implementations see sequences that cover every token, forward
+    and reversed, and `finalize` drops that sequence's output and state."""
+    cu_seqlens = jnp.pad(jnp.asarray(cu_seqlens, jnp.int32), (0, 1), constant_values=seq_len)
+    if initial_state is not None:
+        initial_state = jnp.pad(initial_state, ((0, 1), (0, 0), (0, 0), (0, 0)))
+    return cu_seqlens, initial_state
+
+
+def _packed_end(problem: RecurrentProblem) -> jax.Array:
+    """Where the caller's packed sequences end, in the call's time (the added sequence starts there)."""
+    if problem.reverse:  # the reversed boundaries are seq_len - cu_seqlens[::-1]
+        return problem.query.shape[1] - problem.cu_seqlens[1]
+    return problem.cu_seqlens[-2]
 
 
 def _check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_dim) -> None:
@@ -147,17 +148,18 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
             check_floating(name, array)
             check_rank(name, array, 4, "[batch, seq_len, heads, head_dim]")
         batch, seq_len, num_heads, key_dim = jnp.shape(query)
-        if seq_len < 1 or key_dim < 1:
-            raise ValueError(f"query must have seq_len and head_dim >= 1, got shape {describe(jnp.shape(query))}")
+        check_at_least_one("query", query, {1: "seq_len", 2: "num_heads", 3: "head_dim"})
         check_shape("key", key, (batch, seq_len, None, key_dim), "[batch, seq_len, num_kv_heads, head_dim]")
+        check_at_least_one("key", key, {2: "num_kv_heads"})
         num_kv_heads = jnp.shape(key)[2]
         check_divides("num_kv_heads of key", num_kv_heads, "num_heads of query", num_heads)
         check_shape("value", value, (batch, seq_len, num_kv_heads, None), "[batch, seq_len, num_kv_heads, v_head_dim]")
+        check_at_least_one("value", value, {3: "v_head_dim"})
         value_dim = jnp.shape(value)[3]
         _check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_dim)
         num_states = batch
         if cu_seqlens is not None:
-            _check_cu_seqlens(cu_seqlens, batch, seq_len)
+            check_cu_seqlens(cu_seqlens, batch, seq_len, "query")
             num_states = jnp.shape(cu_seqlens)[0] - 1
         if initial_state is not None:
             check_floating("initial_state", initial_state)
@@ -165,13 +167,15 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
                 "[batch, num_heads, head_dim, v_head_dim]")
             check_shape("initial_state", initial_state, (num_states, num_heads, key_dim, value_dim), layout)
         g_scalar, g_key = _fold_gates(g, g_gamma, gk, (batch, seq_len, num_heads))
+        if cu_seqlens is not None:
+            cu_seqlens, initial_state = _cover_every_token(cu_seqlens, initial_state, seq_len)
         problem = RecurrentProblem(
             query=query, key=key, value=value,
             g_scalar=g_scalar,
             g_key=g_key,
             g_value=gv,
             initial_state=initial_state,
-            cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32),
+            cu_seqlens=cu_seqlens,
             scale=key_dim**-0.5 if softmax_scale is None else check_number(
                 "softmax_scale", softmax_scale, "a finite number or None", lambda scale: True),
             reverse=bool(reverse),
@@ -185,6 +189,10 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
             output = jnp.flip(output, 1)
             if problem.cu_seqlens is not None:
                 final_state = jnp.flip(final_state, 0)
+        if problem.cu_seqlens is not None:  # drop the sequence `_cover_every_token` added
+            inside = jnp.arange(output.shape[1]) < _packed_end(problem)
+            output = jnp.where(inside[None, :, None, None], output, jnp.zeros((), output.dtype))
+            final_state = final_state[:-1]
         return (output, final_state) if problem.return_state else output
 
     def run(
@@ -245,7 +253,8 @@ def recurrent_attention(
     """Gated linear recurrent attention; see the module docstring for the recurrence.
 
     All gates are log decays (any subset may be given). With `cu_seqlens` ([N+1], batch 1) the batch
-    packs N sequences, each starting from `initial_state[n]` and ending in `final_state[n]`.
+    packs N sequences, each starting from `initial_state[n]` and ending in `final_state[n]`; it rises from 0
+    to at most seq_len, and tokens from cu_seqlens[-1] on belong to no sequence (zero output).
     Returns the output in the query's dtype, and with `return_state` also the fp32 final states.
     """
     return default_executor()(
