@@ -137,20 +137,28 @@ class Kernel(Generic[Cfg, Out]):
         return [cfg for impl in self.implementations(inv) for cfg in impl.candidate_cfgs(inv)]
 
     def resolve(self, inv: Invocation, cfg: Cfg) -> Cfg:
-        """Fill an explicit config's 'auto' platform/backend with the best supporting implementation; a
-        config that names one must name one that supports the call (else ValueError with its reason).
-        Knobs left None take that implementation's heuristic values."""
+        """Fill an explicit config's 'auto' platform/backend with the best implementation that supports the call
+        with the config's knobs; a config that names one must name one that does (else ValueError with its
+        reason). Knobs left None take that implementation's heuristic values."""
         if cfg.is_resolved:
             impl = self.get_impl(cfg)
             reason = impl.supports(inv)
+            if reason is None:
+                cfg = _with_heuristic_knobs(cfg, impl, inv)
+                reason = impl.supports(inv, cfg)
             if reason is not None:
                 raise ValueError(f"{self.op_id}: {cfg.platform}:{cfg.backend} cannot run this call: {reason}")
-            return _with_heuristic_knobs(cfg, impl, inv)
+            return cfg
+        reasons = {}
         for impl in self.implementations(inv):
             if cfg.platform in ("auto", impl.platform) and cfg.backend in ("auto", impl.backend):
                 resolved = dataclasses.replace(cfg, platform=impl.platform, backend=impl.backend)
-                return _with_heuristic_knobs(resolved, impl, inv)
-        raise ValueError(f"{self.op_id}: no implementation matches cfg {cfg}")
+                resolved = _with_heuristic_knobs(resolved, impl, inv)
+                reasons[impl.name] = impl.supports(inv, resolved)
+                if reasons[impl.name] is None:
+                    return resolved
+        why = "".join(f"; {name}: {reason}" for name, reason in reasons.items())
+        raise ValueError(f"{self.op_id}: no implementation matches cfg {cfg}{why}")
 
     def execute(self, problem: Any, cfg: Cfg) -> Out:
         """Run the implementation `cfg` names. Inside `jax.shard_map` every array of the problem first varies over
