@@ -6,8 +6,8 @@ Run on the TPU machine (JAX 0.10.2 there; jaxtyping and einops from its own inde
         --index-url file:///opt/pypi/simple --target /tmp/site jaxtyping einops
     PYTHONPATH=$PYTHONPATH:/tmp/site:$PWD/src:$PWD python3 benchmarks/kda_tpu.py --tests
 
-In one process (one program at a time may hold the chip): with --tests, tests/ops/kda/test_pallas_tpu.py
-first, its kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each shape:
+In one process (one program at a time may hold the chip), bf16, per-channel decay, L2 norm inside, at each
+shape (with --tests, tests/ops/kda/test_pallas_tpu.py after the first shape's sweep, its kernels compiled):
   sweep   the forward kernel alone (`kda_forward`) over chunk, value heads per grid step and the MXU passes
           of the scores and the solve, each with its error against the XLA fp32 path;
   api     forward and forward+backward through `kernel_delta_attention`, ours (default config) and XLA's,
@@ -188,8 +188,6 @@ def main() -> None:
     DEADLINE[0] = args.budget
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     log(f"jax {jax.__version__} on {RESULTS['device']}")
-    if args.tests:
-        run_tests()
     parts = args.parts.split(",")
     variants = SWEEP
     for index, shape in enumerate(SHAPES[:args.shapes]):
@@ -200,6 +198,8 @@ def main() -> None:
             # Later shapes: the two fastest variants of the first.
             timed = sorted((r["fwd_ms"], r["variant"]) for r in RESULTS["sweep"] if r["shape"] == str(SHAPES[0]))
             variants = [v for v in SWEEP if f"C{v[0]} heads{v[1]} passes{v[2]}" in [n for _, n in timed[:2]]]
+        if args.tests and index == 0:  # after the first sweep: the kernels' TPU numbers come first
+            run_tests()
         if "api" in parts:
             api(shape, inputs, reference)
         if "steep" in parts and index == 0:

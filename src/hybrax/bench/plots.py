@@ -86,6 +86,22 @@ def _points(rows: Sequence[Mapping[str, Any]], field: str, x_field: str) -> dict
     return lines
 
 
+def _styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """A color per implementation or anchor, a marker per series, dashes for anchors and dots for floors."""
+    who = list(dict.fromkeys(label.split(" ")[0] + (" " + label.split(" ")[1] if label.startswith("ours") else "")
+                             for label in labels))
+    series = list(dict.fromkeys(label.split(" ", 2 if label.startswith("ours") else 1)[-1] for label in labels))
+    markers = "os^vDP*Xph<>"
+    styles = {}
+    for label in labels:
+        name = label.split(" ")[0] + (" " + label.split(" ")[1] if label.startswith("ours") else "")
+        rest = label.split(" ", 2 if label.startswith("ours") else 1)[-1]
+        line = "-" if label.startswith("ours") else ":" if label.startswith("stream") else "--"
+        styles[label] = dict(color=f"C{who.index(name) % 10}", marker=markers[series.index(rest) % len(markers)],
+                             linestyle=line, alpha=0.85)
+    return styles
+
+
 def plot(op: str, rows: Sequence[Mapping[str, Any]], path: pathlib.Path) -> bool:
     """Draw the op's rows (those of `results.current`) to path; False where matplotlib is missing."""
     pyplot = _pyplot()
@@ -94,18 +110,22 @@ def plot(op: str, rows: Sequence[Mapping[str, Any]], path: pathlib.Path) -> bool
     field, label = _metric(rows)
     x_field, x_label = _axis(op)
     modes = [mode for mode in MODES if any(row["mode"] == mode for row in rows)]
-    figure, axes = pyplot.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
+    panels = {mode: _points([row for row in rows if row["mode"] == mode], field, x_field) for mode in modes}
+    labels = sorted({name for lines in panels.values() for name in lines})
+    styles = _styles(labels)
+    legend_rows = -(-len(labels) // 2)
+    figure, axes = pyplot.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.0 + 0.2 * legend_rows),
+                                   squeeze=False)
+    handles = {}
     for axis, mode in zip(axes[0], modes):
-        lines = _points([row for row in rows if row["mode"] == mode], field, x_field)
-        for name, points in sorted(lines.items()):
+        for name, points in sorted(panels[mode].items()):
             xs, ys = zip(*sorted(points.items()))
-            style = "-o" if name.startswith("ours") else ":" if name.startswith("stream floor") else "--s"
-            axis.plot(xs, ys, style, label=name, alpha=0.85)
+            handles[name], = axis.plot(xs, ys, label=name, **styles[name])
         axis.set_xscale("log", base=2)
         axis.set(title=f"{op}, {mode}", xlabel=x_label, ylabel=label)
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
+    figure.legend([handles[name] for name in labels], labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    figure.tight_layout(rect=(0, 0.2 * legend_rows / (4.0 + 0.2 * legend_rows) + 0.02, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     pyplot.close(figure)

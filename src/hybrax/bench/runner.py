@@ -86,9 +86,9 @@ def _throughput(workload: Workload, shape: Shape, mode: str, dtype: Any, time_ms
     seconds = time_ms * 1e-3
     found = {}
     if work.flops:
-        found["tflops"] = round(work.flops / seconds / 1e12, 3)
+        found["tflops"] = float(f"{work.flops / seconds / 1e12:.4g}")
     if work.bytes:
-        found["gbps"] = round(work.bytes / seconds / 1e9, 2)
+        found["gbps"] = float(f"{work.bytes / seconds / 1e9:.4g}")
     return found
 
 

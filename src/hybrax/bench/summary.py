@@ -32,7 +32,7 @@ faster. † marks a ratio from an earlier row of the same implementation and sha
 that anchor). Commits marked * are imported rows: numbers converted from the measurement log
 (`docs/benchmark_log.md`), which tells how each was taken ("-": the log names no commit); + marks a run from a
 checkout whose package files differed from its commit. TFLOP/s count the nominal FLOPs of each op
-(`hybrax/bench/workloads/`); GB/s the bytes a decode step must move.
+(`src/hybrax/bench/workloads/`); GB/s the bytes a decode step must move.
 """
 
 

@@ -2,7 +2,7 @@
 (KDA chunked and decode, flash attention) on an H200, estimated without a GPU.
 
 Only the GPU's compiler says how much shared memory a Triton kernel asks for, and a kernel asking for
-more than the H200's 232448 bytes fails when it first runs (K = 256 did, 2026-12-04). This lowers the
+more than the H200's 232448 bytes fails when it first runs (K = 256 did). This lowers the
 chunked forward and backward (or the decode step) for an H200 (`lowering_platforms=("cuda",)`), reads
 each Triton call's IR with jaxlib's Triton dialect and compiles it with upstream Triton for sm_90
 (ptxas ships in its wheel; `ptxas -v` gives the registers and the spill bytes: a kernel at 255 registers
@@ -14,7 +14,7 @@ GPU machine and has to stay small):
     .venv/bin/python -m pip download -q --no-deps --python-version 3.12 \
         --platform manylinux_2_27_x86_64 --only-binary=:all: -d .triton triton==3.6.0
     .venv/bin/python -m pip install -q --no-deps --target .triton/site .triton/triton-3.6.0-*.whl
-    PYTHONPATH=src .venv/bin/python scripts/triton_shared_memory.py --triton .triton/site [--dtype fp32 --dim 256]
+    PYTHONPATH=src .venv/bin/python tools/triton_shared_memory.py --triton .triton/site [--dtype fp32 --dim 256]
         [--op decode [--launch 64x8] [--v-first] | --op attention] [--value-dim 256]
 """
 

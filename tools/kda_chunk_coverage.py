@@ -1,20 +1,18 @@
 """KDA chunked on the GPU: every layout the Pallas path accepts compiles there and agrees with XLA.
 
-The timing script (`kda_chunk_gpu.py`) runs bf16 with K = V = 128 only. The Pallas kernels also take
+The benchmark (`python -m hybrax.bench --op kda`) runs bf16 with K = V = 128 only. The Pallas kernels also take
 fp32 inputs, K and V up to 256, grouped value heads, packed sequences and gates that underflow; each
 of those changes the kernels' tiles (and so their shared memory, which only the GPU's compiler
 checks). This runs each once, forward and backward through the public API, on `pallas` and on
 `xla`, and prints the relative differences (a row fails above the dtype's tolerance).
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src python3 benchmarks/kda_chunk_coverage_gpu.py
-    python3 benchmarks/kda_chunk_coverage_gpu.py --smoke    # CPU, interpret mode, small
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src python3 tools/kda_chunk_coverage.py
+    PYTHONPATH=src python3 tools/kda_chunk_coverage.py --smoke    # CPU, interpret mode, small
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 import traceback
 from typing import NamedTuple
@@ -23,10 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import print_table  # noqa: E402
-
-from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
+from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention
 
 # Relative difference between the Pallas and XLA paths (both chunked, same dtype): bf16 inputs as
 # flash-linear-attention's tolerances (out 5e-3 against fp32, so 1e-2 between two bf16 paths;
@@ -127,8 +122,11 @@ def main() -> None:
             traceback.print_exc()
             rows.append({"case": case.name, "ok": "ERROR", "error": f"{type(exc).__name__}: {exc}"[:160]})
         print(rows[-1], flush=True)
-    print_table(rows, [c for c in ("case", "err_out", "err_state", "err_grads", "s", "ok", "error")
-                       if any(c in r for r in rows)])
+    names = ("case", "err_out", "err_state", "err_grads", "s", "ok", "error")
+    columns = [c for c in names if any(c in r for r in rows)]
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    for row in [dict(zip(columns, columns)), *rows]:
+        print("  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
 
 
 if __name__ == "__main__":
