@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hybrax.bench import __main__ as bench_cli
-from hybrax.bench import results, shapes, summary
+from hybrax.bench import base_revision, results, shapes, summary
 
 
 def _rows(path):
@@ -75,3 +75,14 @@ def test_bad_shape_names_say_what_is_wrong(name, message):
     with pytest.raises(ValueError, match=f"shape {name!r}") as error:
         shapes.parse(name)
     assert message in str(error.value)
+
+
+def test_base_revision_takes_a_package_folder_and_rejects_what_is_neither(tmp_path):
+    (tmp_path / "tree" / "src" / "hybrax").mkdir(parents=True)
+    (tmp_path / "tree" / "src" / "hybrax" / "__init__.py").write_text("")
+    assert base_revision.source_folder(str(tmp_path / "tree"), tmp_path) == ((tmp_path / "tree" / "src").resolve(),
+                                                                           str(tmp_path / "tree"))
+    with pytest.raises(ValueError, match="--base: 'no-such-revision-x' is neither a folder nor a git revision"):
+        base_revision.source_folder("no-such-revision-x", tmp_path)
+    argv = ["--op", "kda", "--base", "main", "--out", "o", "--commit=abc", "--smoke"]
+    assert bench_cli._without_base(argv) == ["--op", "kda", "--smoke"]

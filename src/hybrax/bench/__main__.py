@@ -1,6 +1,7 @@
 """python -m hybrax.bench: time hybrax's implementations beside other libraries' and append the rows as JSON lines.
 
     python -m hybrax.bench --op kda --impl pallas:chunked,xla:chunked --shapes kda-1x8192x32x128 --anchors fla
+    python -m hybrax.bench --op kda --impl pallas:chunked --base main   # ours / main's, measured in one run
     python -m hybrax.bench --smoke                     # every op at a tiny shape on the CPU, into a temp folder
     python -m hybrax.bench.summary                     # BENCHMARKS.md (and the plots) from benchmarks/results
 """
@@ -14,7 +15,7 @@ import shlex
 import sys
 import tempfile
 
-from hybrax.bench import anchors, runner, shapes
+from hybrax.bench import anchors, base_revision, runner, shapes
 from hybrax.bench.timer import SMOKE_BUDGET, Budget
 from hybrax.bench.workloads import MODES, WORKLOADS
 
@@ -46,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
                        "decode ops time fwd only)")
     parse.add_argument("--out", type=pathlib.Path, help="results folder (default benchmarks/results; with --smoke a "
                        "fresh temp folder)")
+    parse.add_argument("--base", help="a git revision (or a folder holding its hybrax package) to run the same "
+                       "benchmark on first: its times become the anchor 'base' of every row (ours / base)")
+    parse.add_argument("--commit", help="the commit to record where git cannot tell (a copy of the tree without .git)")
     parse.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, two short rounds: checks that "
                        "the benchmark runs, in seconds (rows marked smoke)")
     return parse
@@ -67,6 +71,19 @@ def _check(parse: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parse.error(f"--shapes: {error}")
 
 
+def _without_base(argv: list[str]) -> list[str]:
+    """The command line for the base's run: the same, less --base, --out and --commit (the base sets its own)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--base", "--out", "--commit"):
+            skip = True
+        elif not arg.startswith(("--base=", "--out=", "--commit=")):
+            kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parse = parser()
@@ -81,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (pathlib.Path(tempfile.mkdtemp(prefix="hybrax-bench-")) if args.smoke
                        else pathlib.Path("benchmarks/results"))
     command = shlex.join(["python", "-m", "hybrax.bench", *argv])
+    base_rows = {}
+    if args.base:
+        base_rows = base_revision.run_base(args.base, _without_base(argv))
     for op in [args.op] if args.op else list(WORKLOADS):
         workload = WORKLOADS[op]
         options = runner.Options(
@@ -88,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes=args.shapes or ([shapes.SMOKE_SHAPES[op]] if args.smoke else shapes.BENCHMARK_SHAPES[op]),
             anchors=args.anchors, dtype=args.dtype, modes=args.mode, out=out,
             budget=SMOKE_BUDGET if args.smoke else Budget(), smoke=args.smoke, command=command,
+            commit=args.commit, base_rows=base_rows,
         )
         runner.run(options)
     print(f"results in {out}; BENCHMARKS.md from them: python -m hybrax.bench.summary --results {out}")

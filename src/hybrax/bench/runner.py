@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrax.bench import anchors, results
+from hybrax.bench import anchors, base_revision, results
 from hybrax.bench.shapes import Shape, parse
 from hybrax.bench.timer import Budget, Timing, time_call
 from hybrax.bench.workloads import WORKLOADS, Call, Declined, Workload
@@ -29,7 +29,8 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 @dataclasses.dataclass(frozen=True)
 class Options:
     """One run: op, implementations, shape names, anchors, dtype name, modes, the results folder, the timer's
-    budget, whether rows are marked smoke, and the command line to record."""
+    budget, whether rows are marked smoke, the command line to record, the commit to record where git cannot
+    tell, and the rows of a base revision's run (`base_revision.run_base`) to compare with."""
 
     op: str
     impls: Sequence[str]
@@ -41,6 +42,8 @@ class Options:
     budget: Budget
     smoke: bool
     command: str
+    commit: str | None = None
+    base_rows: dict[tuple, Any] = dataclasses.field(default_factory=dict)
     log: Callable[[str], None] = print
 
 
@@ -116,6 +119,8 @@ def run(options: Options) -> list[dict[str, Any]]:
     device = jax.devices()[0]
     folder = results.device_dir(device.device_kind)
     commit, dirty = results.git_state()
+    if commit is None and options.commit:
+        commit = options.commit
     measure = lambda call: time_call(call.run, call.framework, options.budget)  # noqa: E731
     every_row = []
     for shape in map(parse, options.shapes):
@@ -144,11 +149,16 @@ def run(options: Options) -> list[dict[str, Any]]:
                 if not measured:
                     continue
                 (ours, output) = measured
+                compared = _anchor_entries(found, ours["time_ms"], output)
+                base = base_revision.anchor_entry(
+                    options.base_rows, (options.op, impl, shape.name, options.dtype, mode), ours["time_ms"])
+                if base:
+                    compared["base"] = base
                 row = {
                     "op": options.op, "impl": impl, "shape": shape.name, "dtype": options.dtype, "mode": mode,
                     "time_ms": round(ours["time_ms"], 6),
                     **_throughput(workload, shape, mode, dtype, ours["time_ms"]),
-                    "anchors": _anchor_entries(found, ours["time_ms"], output),
+                    "anchors": compared,
                     "extras": {**extras, **({"memory_mb": ours["memory_mb"]} if "memory_mb" in ours else {})},
                     "timer": ours["timer"], "device": device.device_kind, "platform": device.platform,
                     "versions": versions, "commit": commit, "dirty": dirty, "command": options.command,
