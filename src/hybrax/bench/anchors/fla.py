@@ -106,7 +106,7 @@ def _kda_decode(torch: Any, shape: Shape, inputs: Inputs, mode: str) -> Call:
     step = functools.partial(
         fused_recurrent_kda_fwd, q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias.reshape(-1),
         initial_state=state, scale=shape.head_dim ** -0.5, inplace_final_state=True, use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, state_v_first=False,
     )
     return Call(run=step, framework="torch", output=lambda: _numpy(step()[0]))
 
