@@ -6,13 +6,14 @@ Run on the TPU machine (JAX 0.10.2 there; jaxtyping and einops from its own inde
         --index-url file:///opt/pypi/simple --target /tmp/site jaxtyping einops
     PYTHONPATH=$PYTHONPATH:/tmp/site:$PWD/src:$PWD python3 benchmarks/kda_tpu.py --tests
 
-In one process (one program at a time may hold the chip), bf16, per-channel decay, L2 norm inside, at each
-shape (with --tests, tests/ops/kda/test_pallas_tpu.py after the first shape's sweep, its kernels compiled):
+In one process (one program at a time may hold the chip): with --tests, tests/ops/kda/test_pallas_tpu.py first,
+its kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each shape:
   sweep   the forward kernel alone (`kda_forward`) over chunk, value heads per grid step and the MXU passes
           of the scores and the solve, each with its error against the XLA fp32 path;
   api     forward and forward+backward through `kernel_delta_attention`, ours (default config) and XLA's,
-          with the full-size errors of ours against XLA on fp32 inputs (out and final state);
-  steep   the default config and XLA on gates of -5 sigmoid(N(0, 1)) per token (most sub-chunks then
+          with the full-size errors of ours against XLA on fp32 inputs (out and final state; gradients:
+          ours run XLA's chunked backward, on the states our forward kept);
+  steep   ours and XLA on gates of -5 sigmoid(N(0, 1) + b_c), b_c ~ N(0, 4) per channel (most sub-chunks then
           decay by more than exp(60) in some channel: the exact diagonal blocks run).
 Times: median over rounds of the mean of back-to-back jitted calls (block_until_ready). A table is printed
 after each part, the last one short; everything goes to $OUT/kda_tpu.json when OUT is set.
@@ -79,8 +80,9 @@ def time_ms(fn, *args, reps: int = 5, rounds: int = 5) -> float:
 def make_inputs(seed: int, batch: int, length: int, heads: int, dim: int, steep: bool = False):
     keys = jax.random.split(jax.random.key(seed), 5)
     q, k, v = (jax.random.normal(keys[i], (batch, length, heads, dim), jnp.bfloat16) for i in range(3))
-    if steep:  # a bounded gate as Kimi Linear's (lower bound -5)
-        g = -5.0 * jax.nn.sigmoid(jax.random.normal(keys[3], (batch, length, heads, dim), jnp.float32))
+    if steep:  # a bounded gate (lower bound -5) with a bias per channel: some channels forget within a sub-chunk
+        bias = 2.0 * jax.random.normal(jax.random.key(seed + 1), (heads, dim), jnp.float32)
+        g = -5.0 * jax.nn.sigmoid(jax.random.normal(keys[3], (batch, length, heads, dim), jnp.float32) + bias)
     else:  # flash-linear-attention's benchmark gates
         g = -0.5 * jax.random.uniform(keys[3], (batch, length, heads, dim), jnp.float32)
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, length, heads), jnp.float32))
@@ -88,8 +90,10 @@ def make_inputs(seed: int, batch: int, length: int, heads: int, dim: int, steep:
 
 
 def runners(platform: str, scale: float):
-    """(forward, forward+backward) through the public API; platform None: auto."""
-    cfg = None if platform is None else KernelDeltaAttentionConfig(platform=platform, backend="chunked")
+    """(forward, forward+backward) through the public API: ours at its heuristic chunk, XLA at 64 (the chunk
+    its heuristic takes from the call's default hint)."""
+    chunk = None if platform == "pallas_tpu" else 64
+    cfg = KernelDeltaAttentionConfig(platform=platform, backend="chunked", chunk_size=chunk)
 
     def forward(q, k, v, g, beta):
         return kernel_delta_attention(q, k, v, beta, g, softmax_scale=scale, return_state=True, cfg=cfg)
@@ -170,6 +174,8 @@ def api(shape, inputs, reference, steep: bool = False) -> None:
 
 
 def run_tests() -> None:
+    """The test file, in this process (one program may hold the chip), before anything else starts JAX's
+    backends: tests/conftest.py sets the CPU device count."""
     import pytest
 
     log("tests/ops/kda/test_pallas_tpu.py, compiled")
@@ -186,6 +192,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no part starts")
     args = parser.parse_args()
     DEADLINE[0] = args.budget
+    if args.tests:
+        run_tests()
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     log(f"jax {jax.__version__} on {RESULTS['device']}")
     parts = args.parts.split(",")
@@ -198,8 +206,6 @@ def main() -> None:
             # Later shapes: the two fastest variants of the first.
             timed = sorted((r["fwd_ms"], r["variant"]) for r in RESULTS["sweep"] if r["shape"] == str(SHAPES[0]))
             variants = [v for v in SWEEP if f"C{v[0]} heads{v[1]} passes{v[2]}" in [n for _, n in timed[:2]]]
-        if args.tests and index == 0:  # after the first sweep: the kernels' TPU numbers come first
-            run_tests()
         if "api" in parts:
             api(shape, inputs, reference)
         if "steep" in parts and index == 0:

@@ -166,9 +166,10 @@ def test_declines_what_it_does_not_cover(kwargs, reason):
     assert reason in impl.supports(invocation(*small_args(), **kwargs))
 
 
-def test_declines_head_dims_above_128():
+def test_declines_head_dims_above_128_and_chunks_above_128():
     impl = registry.lookup("kernel_delta_attention", "pallas_tpu", "chunked")
     assert "K and V <= 128" in impl.supports(invocation(*small_args(dk=256)))
+    assert "chunk_size" in impl.supports(invocation(*small_args()), KernelDeltaAttentionConfig(chunk_size=256))
 
 
 @pytest.mark.parametrize("dtype, per_head, chunk", [(jnp.bfloat16, False, 64), (jnp.float32, True, 128)])

@@ -90,7 +90,7 @@ def _finish_head(x: HeadChunk, v: jax.Array, state: jax.Array, *, dot, solve_dot
     aqk, akk = x.scores
     rows, cols = index_grid(*aqk.shape)
     aqk = jnp.where(rows >= cols, aqk, 0.0)
-    inverse = unit_lower_inverse(jnp.where(rows > cols, akk * x.beta, 0.0), solve_dot)
+    inverse = dot.operand(unit_lower_inverse(jnp.where(rows > cols, akk * x.beta, 0.0), solve_dot))
     from_start = jnp.exp(x.gates.from_start())
     w = dot(inverse, x.k * x.beta * from_start)
     u = dot(inverse, v * x.beta)
@@ -99,9 +99,10 @@ def _finish_head(x: HeadChunk, v: jax.Array, state: jax.Array, *, dot, solve_dot
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, final_ref, state_ref, *,
+    q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, final_ref, *refs,
     group: int, scale: float, l2_normalize: bool, per_head: bool, dot: Dot, solve_dot: Dot,
 ):
+    states_ref, state_ref = refs if len(refs) == 2 else (None, *refs)  # states: each chunk's entering state
     chunk_index = pl.program_id(2)
 
     @pl.when(chunk_index == 0)
@@ -116,6 +117,8 @@ def _forward_kernel(
     heads = [load(head, head // group if block_heads % group == 0 else 0) for head in range(block_heads)]
     steep = functools.reduce(jnp.logical_or, [is_steep(h.gates) for h in heads])
     scores = lax.cond(steep, lambda: _exact_diagonals(heads), lambda: [h.scores for h in heads])
+    if states_ref is not None:
+        states_ref[...] = state_ref[...]
     for head, (x, head_scores) in enumerate(zip(heads, scores)):
         v = v_ref[:, _lanes(head)].astype(jnp.float32)
         o, state = _finish_head(x._replace(scores=head_scores), v, state_ref[head], dot=dot, solve_dot=solve_dot)
@@ -144,7 +147,8 @@ def default_block_heads(value_heads: int, group: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "l2_normalize", "chunk", "block_heads", "solve_passes", "interpret")
+    jax.jit,
+    static_argnames=("scale", "l2_normalize", "chunk", "block_heads", "solve_passes", "with_states", "interpret"),
 )
 def kda_forward(
     q: Float[Array, "B T H K"],
@@ -159,9 +163,12 @@ def kda_forward(
     chunk: int = 64,
     block_heads: int | None = None,
     solve_passes: int | None = None,
+    with_states: bool = False,
     interpret=None,
-) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
-    """KDA forward on the TPU: o [B, T, HV, V] in v's dtype and the final state [B, HV, K, V] fp32.
+) -> tuple[jax.Array, ...]:
+    """KDA forward on the TPU: o [B, T, HV, V] in v's dtype and the final state [B, HV, K, V] fp32; with
+    `with_states` also the state entering each chunk [B, HV, NC, K, V] fp32 (NC = ceil(T / chunk): what
+    `xla_chunked.chunked_backward` takes).
 
     g is the activated log decay (<= 0), per key channel (Kd = K) or per head (Kd = 1); beta activated.
     q, k, v bf16 or fp32 with K, V <= 128; HV a multiple of H; chunk 16, 32, 64 or 128. `block_heads`: value
@@ -203,18 +210,22 @@ def kda_forward(
     head_block = pl.BlockSpec((None, chunk, block_heads * LANES), lambda b, h, t: (b, t, h))
     column = pl.BlockSpec((None, block_heads, chunk, 1), lambda b, h, t: (b, h, t, 0))
     state = pl.BlockSpec((None, block_heads, LANES, LANES), lambda b, h, t: (b, h, 0, 0))
+    chunks = padded // chunk
+    states_out = [(pl.BlockSpec((None, block_heads, None, LANES, LANES), lambda b, h, t: (b, h, t, 0, 0)),
+                   jax.ShapeDtypeStruct((batch, value_heads, chunks, LANES, LANES), jnp.float32))] * with_states
     kernel = functools.partial(
         _forward_kernel, group=group, scale=scale, l2_normalize=l2_normalize, per_head=per_head, dot=dot,
         solve_dot=solve_dot,
     )
-    o, final = pallas_call(
+    o, final, *states = pallas_call(
         kernel,
-        grid=(batch, value_heads // block_heads, padded // chunk),
+        grid=(batch, value_heads // block_heads, chunks),
         in_specs=[qk_block, qk_block, head_block, column if per_head else head_block, column, state],
-        out_specs=[head_block, state],
+        out_specs=[head_block, state, *(spec for spec, _ in states_out)],
         out_shape=[
             jax.ShapeDtypeStruct((batch, padded, value_heads * LANES), v.dtype),
             jax.ShapeDtypeStruct((batch, value_heads, LANES, LANES), jnp.float32),
+            *(shape for _, shape in states_out),
         ],
         scratch_shapes=[pltpu.VMEM((block_heads, LANES, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
@@ -225,4 +236,4 @@ def kda_forward(
         _pad(initial_state.astype(jnp.float32), {2: LANES, 3: LANES}),
     )
     o = o.reshape(batch, padded, value_heads, LANES)[:, :length, :, :dv]
-    return o, final[:, :, :dk, :dv]
+    return (o, final[:, :, :dk, :dv], *(x[..., :dk, :dv] for x in states))

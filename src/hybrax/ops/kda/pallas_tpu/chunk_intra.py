@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates, block_of, row_in_segment, segment_prefix
-from hybrax.ops.kda.pallas_tpu.dots import Dot
+from hybrax.ops.kda.pallas_tpu.dots import Dot, Operand
 
 # The largest decay within one sub-chunk that the diagonal blocks take as a product: exp(60) = 1e26 keeps
 # the factors and the products of the masked upper triangle far from fp32's limit (3e38).
@@ -108,14 +108,17 @@ def unit_lower_inverse(strict_lower: jax.Array, dot: Dot) -> jax.Array:
     whole tiles: with X the inverse of the block diagonal of blocks of `size` rows (from size 2, where the
     inverse of [[1, 0], [l, 1]] is [[1, 0], [-l, 1]]), the blocks of twice the size are
     [[A^-1, 0], [-B^-1 L21 A^-1, B^-1]] = X - X (L_21 X), L_21 the part of L below X's blocks within the
-    larger ones: two [n, n] matmuls per doubling."""
+    larger ones: two [n, n] matmuls per doubling, L converted for the MXU once and X once per doubling."""
     n = strict_lower.shape[0]
     rows, cols = index_grid(n, n)
     pairs = (block_of(rows, 2) == block_of(cols, 2)) & (rows > cols)
     inverse = jnp.where(rows == cols, 1.0, 0.0) - jnp.where(pairs, strict_lower, 0.0)
+    lower = dot.operand(strict_lower)
     size = 2
     while size < n:
         below = (block_of(rows, 2 * size) == block_of(cols, 2 * size)) & (block_of(rows, size) > block_of(cols, size))
-        inverse = inverse - dot(inverse, dot(jnp.where(below, strict_lower, 0.0), inverse))
+        coupling = Operand(tuple(jnp.where(below, part, jnp.zeros((), part.dtype)) for part in lower.parts))
+        current = dot.operand(inverse)
+        inverse = inverse - dot(current, dot(coupling, current))
         size *= 2
     return inverse

@@ -31,6 +31,8 @@ def state_step(
     """(o [C, V], S' [K, V]) fp32 from the state S entering the chunk and the chunk's terms: w, qg, kg [C, K],
     u [C, V], A_qk [C, C] (masked), decay [1, K] = exp(G_C). For bf16 inputs `dot` takes bf16 operands (the
     state too, as flash-linear-attention's kernels), accumulating in fp32."""
-    v_new = u - dot(w, state)
-    o = dot(qg, state) + dot(aqk, v_new)
-    return o, row_to_column(decay) * state + dot(kg, v_new, "tn")
+    entering = dot.operand(state)
+    v_new = u - dot(w, entering)
+    corrections = dot.operand(v_new)
+    o = dot(qg, entering) + dot(aqk, corrections)
+    return o, row_to_column(decay) * state + dot(kg, corrections, "tn")

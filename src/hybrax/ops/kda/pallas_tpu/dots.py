@@ -5,7 +5,8 @@
               (Mosaic takes `Precision.HIGH` only from JAX 0.11 on; the split works on both)
     passes 6  fp32 operands at `Precision.HIGHEST` (Mosaic's fp32 contraction)
 
-On the CPU (interpret mode) bf16 products are exact and fp32 ones too.
+An operand used in several products is converted once (`Dot.operand`), not at every product. On the CPU
+(interpret mode) bf16 products are exact and fp32 ones too.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from jax import lax
 _CONTRACT = {"nn": ((1,), (0,)), "nt": ((1,), (1,))}
 
 
+class Operand(NamedTuple):
+    """A matrix as the MXU takes it at some number of passes: its bf16 parts, or itself in fp32."""
+
+    parts: tuple[jax.Array, ...]
+
+
 def _dot(a: jax.Array, b: jax.Array, layout: str, precision=None) -> jax.Array:
     return lax.dot_general(
         a, b, (_CONTRACT[layout], ((), ())), precision=precision, preferred_element_type=jnp.float32
     )
-
-
-def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    high = x.astype(jnp.bfloat16)
-    return high, (x - high.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 class Dot(NamedTuple):
@@ -35,14 +37,24 @@ class Dot(NamedTuple):
 
     passes: int
 
-    def __call__(self, a: jax.Array, b: jax.Array, layout: str = "nn") -> jax.Array:
+    def operand(self, x: jax.Array) -> Operand:
+        if self.passes == 1:
+            return Operand((x.astype(jnp.bfloat16),))
+        if self.passes == 3:
+            x = x.astype(jnp.float32)
+            high = x.astype(jnp.bfloat16)
+            return Operand((high, (x - high.astype(jnp.float32)).astype(jnp.bfloat16)))
+        if self.passes == 6:
+            return Operand((x.astype(jnp.float32),))
+        raise ValueError(f"passes must be 1, 3 or 6, got {self.passes!r}")
+
+    def __call__(self, a: jax.Array | Operand, b: jax.Array | Operand, layout: str = "nn") -> jax.Array:
         if layout == "tn":  # transposed before any cast: Mosaic transposes 32-bit tiles on every chip
             a, layout = a.T, "nn"
-        if self.passes == 1:
-            return _dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), layout)
-        if self.passes == 3:
-            (a_high, a_low), (b_high, b_low) = _split(a.astype(jnp.float32)), _split(b.astype(jnp.float32))
-            return _dot(a_high, b_high, layout) + _dot(a_high, b_low, layout) + _dot(a_low, b_high, layout)
+        a, b = (x if isinstance(x, Operand) else self.operand(x) for x in (a, b))
         if self.passes == 6:
-            return _dot(a.astype(jnp.float32), b.astype(jnp.float32), layout, lax.Precision.HIGHEST)
-        raise ValueError(f"passes must be 1, 3 or 6, got {self.passes!r}")
+            return _dot(a.parts[0], b.parts[0], layout, lax.Precision.HIGHEST)
+        products = [_dot(a.parts[0], b.parts[0], layout)]
+        if self.passes == 3:  # lo lo is below the product's fp32 rounding
+            products += [_dot(a.parts[0], b.parts[1], layout), _dot(a.parts[1], b.parts[0], layout)]
+        return sum(products[1:], products[0])
