@@ -80,6 +80,22 @@ def test_writes_only_the_new_tokens_of_named_rows():
     np.testing.assert_array_equal(new_v, want_v)
 
 
+@pytest.mark.parametrize("platform", ["xla", "pallas"])
+def test_traced_lengths_outside_the_row_write_nothing_there(platform):
+    """Under jit (lengths unchecked), a token at a negative position or past max_len writes nothing (a negative
+    index must not wrap to the row's end); the request's tokens inside the row are written as usual."""
+    k_pool, v_pool = _pools(0)
+    q, k, v = _tokens(1, 2, 3)
+    slots, cached = jnp.array([3, 1], jnp.int32), jnp.array([-2, MAX_LEN - 1], jnp.int32)
+    step = jax.jit(functools.partial(attention_decode_pool, platform=platform))
+    _, new_k, new_v = step(q, k, v, k_pool, v_pool, slots, cached)
+    want_k, want_v = np.array(k_pool), np.array(v_pool)
+    want_k[3, 0], want_v[3, 0] = k[0, 2], v[0, 2]  # positions -2, -1, 0: only the last is in the row
+    want_k[1, MAX_LEN - 1], want_v[1, MAX_LEN - 1] = k[1, 0], v[1, 0]  # positions 31, 32, 33
+    np.testing.assert_array_equal(new_k, want_k)
+    np.testing.assert_array_equal(new_v, want_v)
+
+
 def test_bf16_cache_through_the_in_place_kernel():
     """A bf16 cache, platform="pallas": each decode token against the reference over its row as written."""
     k_pool, v_pool = (x.astype(jnp.bfloat16) for x in _pools(0))

@@ -6,11 +6,13 @@ of its first cached_lengths[b] tokens. A step brings T new tokens per request (T
 decoding, or a chunk of a prompt, with new_lengths[b] <= T of them real): their keys and values are written at
 positions cached_lengths[b] ... of the request's row, and each new token attends causally to its row up to and
 including itself (within `sliding_window`, with `attention`'s soft cap and sinks). Slot -1 marks a padded
-request, and tokens past new_lengths are padding: they read nothing, write nothing and output zeros. Rows no
+request (and so, under jit, where it cannot be checked, is any slot outside [0, num_slots); eager calls refuse
+it), and tokens past new_lengths are padding: they read nothing, write nothing and output zeros. Rows no
 request names stay bit-for-bit unchanged; donate the pools to update them in place. Valid slots must be
 distinct. The caller advances cached_lengths by new_lengths after the step and keeps cached_lengths + new_lengths
-<= max_len: concrete lengths are checked; traced ones are not, and writes past the end are dropped (those tokens
-would not see themselves).
+<= max_len: concrete lengths are checked; traced ones are not, and writes outside the row are dropped (past its
+end, or before its start for a negative cached length, which would otherwise wrap to the row's end; those tokens
+do not see themselves).
 
 The XLA implementation ("xla:gather") runs `hybrax.attention` on the gathered rows with a mask of each token's
 visible positions: it copies the requests' rows once per step. The Pallas one ("pallas:in_place",
@@ -38,6 +40,7 @@ from hybrax.ops.attention.mask import MaskInfo
 from hybrax.ops.attention.pallas_flash_tiles import from_rows, head_rows, to_rows
 from hybrax.ops.attention.pallas_pool_decode import PoolGeometry, combine_splits, pool_decode_splits
 from hybrax.ops.pallas_shared import interpret_here
+from hybrax.serving.kda_pool import pool_rows
 from hybrax.serving.prefill import check_slots, gather_rows
 
 OP_ID = "attention_decode_pool"
@@ -132,7 +135,8 @@ def _scalars(softmax_scale: Any, logits_soft_cap: Any) -> tuple[float | None, fl
 
 
 def _write(pool: jax.Array, rows: jax.Array, positions: jax.Array, new: jax.Array) -> jax.Array:
-    """pool with new[b, t] at [rows[b, t], positions[b, t]]; rows past the pool (padding) are dropped."""
+    """pool with new[b, t] at [rows[b, t], positions[b, t]]; indices past the pool's rows (padding) or past a row's
+    end are dropped."""
     return pool.at[rows, positions].set(new.astype(pool.dtype), mode="drop")
 
 
@@ -143,7 +147,8 @@ def _new_tokens(p: AttentionPoolProblem) -> tuple[jax.Array, jax.Array, jax.Arra
     real = (p.slots >= 0)[:, None] & (token[None, :] < p.new_lengths[:, None])
     positions = p.cached_lengths[:, None] + token[None, :]
     rows = jnp.where(real, p.slots[:, None], num_slots)
-    return real, positions, _write(p.k_pool, rows, positions, p.k), _write(p.v_pool, rows, positions, p.v)
+    stored_at = jnp.where(positions >= 0, positions, p.k_pool.shape[1])  # a negative index would wrap, not drop
+    return real, positions, _write(p.k_pool, rows, stored_at, p.k), _write(p.v_pool, rows, stored_at, p.v)
 
 
 class AttentionDecodePool(Kernel[AttentionDecodePoolConfig, Any]):
@@ -164,7 +169,7 @@ class AttentionDecodePool(Kernel[AttentionDecodePoolConfig, Any]):
         if new_lengths is None:
             new_lengths = jnp.full((batch,), tokens, jnp.int32)
         return AttentionPoolProblem(
-            q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, slots=jnp.asarray(slots, jnp.int32),
+            q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, slots=pool_rows(slots, jnp.shape(k_pool)[0]),
             cached_lengths=jnp.asarray(cached_lengths, jnp.int32), new_lengths=jnp.asarray(new_lengths, jnp.int32),
             softmax_aux=softmax_aux, sliding_window=sliding_window, softmax_scale=softmax_scale,
             logits_soft_cap=logits_soft_cap,

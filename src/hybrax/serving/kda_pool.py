@@ -7,7 +7,9 @@ writes nothing and outputs zeros. Each request advances T tokens (T > 1: specula
 with `token_slots` [B, T] the state after token t is written to row token_slots[b, t] (-1: not
 kept; no row named twice), so a verifier can resume from any accepted token; without it the final state goes back to
 slots[b]. Rows no request names stay bit-for-bit unchanged, and the pool is updated in place when
-the caller donates it.
+the caller donates it. Concrete slots outside [-1, num_slots) raise; traced ones (under jit) cannot be
+checked, so every slot outside [0, num_slots) is a padded request like -1 and a token_slots entry
+outside it keeps nothing (`pool_rows`), on every implementation.
 
 The gate stays raw into the implementations (the GPU kernels fuse it, where it costs nothing):
 `gate="softplus"` -exp(a_log) * softplus(g + dt_bias), `gate="bounded"` lower_bound * sigmoid(
@@ -148,12 +150,12 @@ class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
             check_shape("token_slots", token_slots, (batch, length), "[batch, tokens]")
             check_integer("token_slots", token_slots)
             check_token_slots(token_slots, slots, num_slots)
-            token_slots = jnp.asarray(token_slots, jnp.int32)
+            token_slots = pool_rows(token_slots, num_slots)
         for name, array in (("q", q), ("k", k), ("v", v), ("beta", beta)):
             check_floating(name, array)
         scale = dk**-0.5 if softmax_scale is None else check_positive_number("softmax_scale", softmax_scale)
         return KdaPoolProblem(
-            q=q, k=k, v=v, g=g, beta=beta, pool=pool, slots=jnp.asarray(slots, jnp.int32), token_slots=token_slots,
+            q=q, k=k, v=v, g=g, beta=beta, pool=pool, slots=pool_rows(slots, num_slots), token_slots=token_slots,
             a_log=a_log, dt_bias=dt_bias, scale=float(scale), gate=gate,
             lower_bound=None if lower_bound is None else float(lower_bound), beta_is_logits=bool(beta_is_logits),
             use_qk_l2norm=bool(use_qk_l2norm), state_v_first=bool(state_v_first),
@@ -173,6 +175,15 @@ class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
 def swap_layout(states: jax.Array, v_first: bool) -> jax.Array:
     """V-first rows [.., V, K] <-> K-first [.., K, V] (a swap, its own inverse); unchanged if not v_first."""
     return jnp.swapaxes(states, -1, -2) if v_first else states
+
+
+def pool_rows(rows: Any, num_slots: int) -> jax.Array:
+    """rows as int32 indices of a pool of num_slots rows, each outside [0, num_slots) made -1 (none). Concrete rows
+    outside [-1, num_slots) were refused (`check_rows`); traced ones cannot be, and a gather would clamp a row past
+    the pool onto another request's, so every implementation gets rows in the pool or -1. Compared before the
+    cast, so a wide index cannot wrap into the pool."""
+    rows = jnp.asarray(rows)
+    return jnp.where((rows >= 0) & (rows < num_slots), rows, -1).astype(jnp.int32)
 
 
 def scatter_rows(pool: jax.Array, rows: jax.Array, states: jax.Array, v_first: bool) -> jax.Array:
@@ -295,9 +306,10 @@ def kda_decode_pool(
     """Advance B requests by T tokens each from their pool rows; returns (output [B, T, HV, V] in q's
     dtype, the updated pool). Donate the pool (jax.jit(..., donate_argnums=...)) to update it in place.
 
-    slots [B] int32: the row each request reads (and, without token_slots, writes); -1: padded.
-    Valid slots must be distinct. gate: "activated" (g is the log decay), "softplus" or "bounded"
-    (g raw; a_log [HV], dt_bias [HV, K] or None, lower_bound <= 0 for "bounded"). See the module doc.
+    slots [B] int32: the row each request reads (and, without token_slots, writes); -1: padded, and so is
+    any slot outside [0, num_slots) under jit (eager calls refuse it). Valid slots must be distinct.
+    gate: "activated" (g is the log decay), "softplus" or "bounded" (g raw; a_log [HV], dt_bias [HV, K]
+    or None, lower_bound <= 0 for "bounded"). See the module doc.
     """
     return default_executor()(
         KdaDecodePool(), q, k, v, g, beta, pool, slots, token_slots=token_slots, a_log=a_log, dt_bias=dt_bias,

@@ -4,7 +4,8 @@ Prefill hands over to decode exactly: each sequence's starting state is gathered
 (zeros where `has_initial_state` is False: a fresh request in a recycled row), the prompt runs
 through `kernel_delta_attention` (the chunked path for long prompts), and the final states are
 scattered back to the same rows, where `kda_decode_pool` picks them up. Slot -1 marks a padded
-sequence: it reads nothing, writes nothing and outputs zeros.
+sequence: it reads nothing, writes nothing and outputs zeros. So does any slot outside [0, num_slots) under
+jit, where it cannot be checked (eager calls refuse it), here and in the short convolution and attention pools.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from hybrax.core.validate import check_bool, check_cu_seqlens, check_integer, check_rank, check_rows, check_shape
 from hybrax.ops.kda.api import kernel_delta_attention
-from hybrax.serving.kda_pool import check_gate, check_pool, scatter_rows, swap_layout
+from hybrax.serving.kda_pool import check_gate, check_pool, pool_rows, scatter_rows, swap_layout
 
 
 def token_sequence(cu_seqlens: jax.Array, length: int) -> jax.Array:
@@ -83,7 +84,8 @@ def kda_prefill_pool(
     (output in q's dtype, the pool with each valid row holding its sequence's final state).
 
     Arguments as `kda_decode_pool` (same gate forms and fp32 pool layouts); slots and has_initial_state (bool)
-    [N] name one distinct row per sequence; has_initial_state None: every sequence continues its row.
+    [N] name one distinct row per sequence (-1, or under jit any slot outside [0, num_slots): a padded sequence);
+    has_initial_state None: every sequence continues its row.
     """
     check_rank("q", q, 4, "[batch, seq_len, num_heads, head_dim]")
     check_rank("v", v, 4, "[batch, seq_len, num_value_heads, v_head_dim]")
@@ -95,7 +97,7 @@ def kda_prefill_pool(
         check_cu_seqlens(cu_seqlens, batch, length, "q")
     num_sequences = batch if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
     check_slots(slots, has_initial_state, num_sequences, jnp.shape(pool)[0], packed=cu_seqlens is not None)
-    slots = jnp.asarray(slots, jnp.int32)
+    slots = pool_rows(slots, jnp.shape(pool)[0])
     initial = swap_layout(gather_rows(pool, slots, has_initial_state), state_v_first)
     decay = g[..., 0] if jnp.shape(g)[-1] == 1 else g  # kernel_delta_attention takes per-head decay as [B, T, HV]
     o, final = kernel_delta_attention(

@@ -8,7 +8,8 @@ causal_conv1d layout: pool [num_slots, D, W - 1], weight [D, W]); inputs before 
 first token come from its state row (zeros where has_initial_state is False). The pool is fp32,
 like the KDA state pool (it holds fp32, bf16 and fp16 inputs exactly); x, weight and bias may
 be any floating dtype, and the sums run in fp32. Slot -1 marks a padded row: it reads
-nothing, writes nothing and outputs zeros; valid slots must be distinct. XLA only: the convolution moves
+nothing, writes nothing and outputs zeros; so does any slot outside [0, num_slots) under jit, where it cannot
+be checked (eager calls refuse it). Valid slots must be distinct. XLA only: the convolution moves
 B*D*W numbers per token against the KDA state's B*HV*K*V, so a fused kernel would save under 1%
 of a decode step's traffic.
 """
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from hybrax.core.validate import check_cu_seqlens, check_dtype, check_floating, check_rank, check_shape
+from hybrax.serving.kda_pool import pool_rows
 from hybrax.serving.prefill import check_slots, gather_rows, token_sequence
 
 ACTIVATIONS = ("silu", None)
@@ -64,11 +66,12 @@ def short_conv_decode(
     bias: Float[Array, " dim"] | None = None,
     activation: str | None = "silu",
 ) -> tuple[Float[Array, "batch dim"], Float[Array, "num_slots dim width_minus_1"]]:
-    """One token for each of B requests: returns (y [B, D] in x's dtype, the updated pool)."""
+    """One token for each of B requests: returns (y [B, D] in x's dtype, the updated pool). slots [B]: each
+    request's row, -1 (or under jit any slot outside [0, num_slots)) for a padded one."""
     check_rank("x", x, 2, "[batch, dim]")
     _check_conv(x, conv_pool, weight, bias, activation)
     check_slots(slots, None, jnp.shape(x)[0], jnp.shape(conv_pool)[0])
-    slots = jnp.asarray(slots, jnp.int32)
+    slots = pool_rows(slots, jnp.shape(conv_pool)[0])
     window = jnp.concatenate([gather_rows(conv_pool, slots, None).astype(jnp.float32),
                               x.astype(jnp.float32)[:, :, None]], axis=2)
     y = _activate(jnp.sum(window * weight.astype(jnp.float32), axis=2), bias, activation)
@@ -99,7 +102,8 @@ def short_conv_prefill(
     activation: str | None = "silu",
 ) -> tuple[Float[Array, "batch seq_len dim"], Float[Array, "num_slots dim width_minus_1"]]:
     """B sequences of T tokens (or N packed ones in a batch of one with cu_seqlens): returns (y in
-    x's dtype, the pool with each valid row holding its sequence's last W - 1 inputs)."""
+    x's dtype, the pool with each valid row holding its sequence's last W - 1 inputs). slots [N]: each sequence's
+    row, -1 (or under jit any slot outside [0, num_slots)) for a padded one."""
     check_rank("x", x, 3, "[batch, seq_len, dim]")
     _check_conv(x, conv_pool, weight, bias, activation)
     batch, length, dim = jnp.shape(x)
@@ -110,7 +114,7 @@ def short_conv_prefill(
         check_cu_seqlens(cu_seqlens, batch, length, "x")
     num_sequences = jnp.shape(cu_seqlens)[0] - 1
     check_slots(slots, has_initial_state, num_sequences, jnp.shape(conv_pool)[0], packed=packed)
-    slots, cu_seqlens = jnp.asarray(slots, jnp.int32), jnp.asarray(cu_seqlens, jnp.int32)
+    slots, cu_seqlens = pool_rows(slots, jnp.shape(conv_pool)[0]), jnp.asarray(cu_seqlens, jnp.int32)
     taps = jnp.shape(weight)[1] - 1
     tokens = x.reshape(batch * length, dim).astype(jnp.float32)
     history = jnp.swapaxes(gather_rows(conv_pool, slots, has_initial_state), 1, 2).astype(jnp.float32)  # [N, W-1, D]

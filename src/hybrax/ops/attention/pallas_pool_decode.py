@@ -6,8 +6,8 @@ length and new-token count, and runs the online softmax over its split of the ro
 are the new tokens times the heads of the group (row r: token r // group, head r % group), so a decode step
 fills a block with the group's heads. The pool is indexed by slot inside the kernel, never gathered. Each
 program writes its split's (output, logsumexp); `combine_splits` merges the splits and adds the sinks. A token
-at position p = cached + t sees keys j <= p (and j >= p - window); slot -1 and tokens past the new count see
-nothing.
+at position p = cached + t sees keys j <= p (and j >= p - window); slot -1 (or any other row the pool lacks)
+and tokens past the new count see nothing.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def _kernel(slots_ref, cached_ref, new_ref, q_ref, k_pool_ref, v_pool_ref, out_r
     rows = pl.ds(row_block * block_q, block_q)
     row = row_block * block_q + lax.iota(jnp.int32, block_q)
     position = cached + row // geometry.group  # each row's token position in the request's row of the pool
-    real = (row < geometry.rows) & (row // geometry.group < new) & (slot >= 0)
+    in_pool = (slot >= 0) & (slot < k_pool_ref.shape[0])
+    real = (row < geometry.rows) & (row // geometry.group < new) & in_pool
     q = q_ref[b, head, rows, :]
-    row_slot = jnp.maximum(slot, 0)  # a padded request loads nothing: its loop is empty
+    row_slot = jnp.where(in_pool, slot, 0)  # a padded request loads nothing: its loop is empty
 
     def step(k_block: jax.Array, carry: tuple) -> tuple:
         row_max, row_sum, acc = carry
@@ -79,7 +80,7 @@ def _kernel(slots_ref, cached_ref, new_ref, q_ref, k_pool_ref, v_pool_ref, out_r
     end = jnp.minimum(end, k_pool_ref.shape[1] // block_k)  # never past the row, whatever the lengths say
     if geometry.window is not None:
         first = jnp.maximum(first, jnp.maximum(cached - geometry.window, 0) // block_k)
-    end = jnp.where(slot >= 0, end, first)
+    end = jnp.where(in_pool, end, first)
     start = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
              jnp.zeros((block_q, out_ref.shape[-1]), jnp.float32))
     row_max, row_sum, acc = lax.fori_loop(first, end, step, start)

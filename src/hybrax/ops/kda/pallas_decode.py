@@ -14,10 +14,10 @@ and writes it once (per token when speculative decoding keeps every token's stat
 
 The state is a whole-array ref aliased to the output (input_output_aliases), so rows no program
 names are never touched. With `slots` [B] int32 the state is a serving pool [num_slots, HV, K, V]
-(or V-first [num_slots, HV, V, K]) and request b works on row slots[b]; slot -1 marks a padded
-request, which reads nothing, writes nothing and outputs zeros. `token_slots` [B, T] (speculative
-decoding) names where the state after each token goes (-1: nowhere); the final state then goes
-nowhere else.
+(or V-first [num_slots, HV, V, K]) and request b works on row slots[b]; slot -1 (or any other row
+the pool lacks, as in the CUDA kernel) marks a padded request, which reads nothing, writes nothing and
+outputs zeros. `token_slots` [B, T] (speculative decoding) names where the state after each token goes
+(-1, or a row the pool lacks: nowhere); the final state then goes nowhere else.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ def _decode_kernel(
     cols = pl.ds(j * block_v, block_v)
     scale, lower_bound = scalars_ref[0], scalars_ref[1]
     slot = b if slots_ref is None else slots_ref[b]
+
+    def in_pool(row):  # a row the pool lacks (-1 for padding) is never read or written
+        return (row >= 0) & (row < state_ref.shape[0])
+
     key_axis = 1 if v_first else 0
 
     def along_keys(x):  # [K] (or [K, 2]) -> broadcastable over the tile's key axis
@@ -113,7 +117,7 @@ def _decode_kernel(
             return
         target = token_slots_ref[b, t]
 
-        @pl.when(target >= 0)
+        @pl.when(in_pool(target))
         def _():
             tile(target)[...] = state
 
@@ -144,9 +148,9 @@ def _decode_kernel(
         advance()
         return
 
-    pl.when(slot >= 0)(advance)
+    pl.when(in_pool(slot))(advance)
 
-    @pl.when(slot < 0)
+    @pl.when(jnp.logical_not(in_pool(slot)))
     def _():
         for t in range(tokens):
             store_output(t, jnp.zeros((block_v,), jnp.float32))
