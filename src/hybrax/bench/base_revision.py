@@ -12,7 +12,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,10 +50,7 @@ def source_folder(base: str, workdir: pathlib.Path) -> tuple[pathlib.Path, str]:
                                  check=True).stdout
     except (OSError, subprocess.CalledProcessError) as error:
         raise ValueError(f"--base: {base!r} is neither a folder nor a git revision of {root} ({error})") from error
-    tar_path = workdir / "base.tar"
-    tar_path.write_bytes(archive)
-    with tarfile.open(tar_path) as tar:
-        tar.extractall(workdir, filter="data")
+    subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
     return workdir / "src", commit
 
 
