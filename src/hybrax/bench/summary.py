@@ -33,6 +33,16 @@ that anchor). Commits marked * are imported rows: numbers converted from the mea
 (`docs/benchmark_log.md`), which tells how each was taken ("-": the log names no commit); + marks a run from a
 checkout whose package files differed from its commit. TFLOP/s count the nominal FLOPs of each op
 (`src/hybrax/bench/workloads/`); GB/s the bytes a decode step must move.
+
+The tables' implementations and anchors, measured again (on the GPU machine, with the anchors' packages
+installed; `--base REV` adds the ratio to another revision measured in the same run):
+
+    python -m hybrax.bench --op kda --impl pallas:chunked,xla:chunked --anchors fla,tokamax,jla
+    python -m hybrax.bench --op gla --impl pallas:chunked,xla:chunked --anchors fla,jla
+    python -m hybrax.bench --op attention --impl auto,pallas:flash,cuda:cudnn,xla:blockwise --anchors cudnn,jax_nn
+    python -m hybrax.bench --op kda_decode --impl pallas,cuda --anchors fla
+    python -m hybrax.bench --op attention_decode --impl xla:gather,pallas:in_place
+    python -m hybrax.bench.summary
 """
 
 
@@ -142,7 +152,7 @@ def generate(rows: list[dict[str, Any]], out: pathlib.Path, results_dir: pathlib
             op_rows = [row for row in on_device if row["op"] == op]
             lines += [f"### {op}", ""]
             picture = pathlib.Path(results_dir) / device / f"{op}.png"
-            if with_plots and plots.plot(op, op_rows, picture):
+            if (with_plots and plots.plot(op, op_rows, picture)) or picture.is_file():  # drawn now, or before
                 lines += [f"![{op} on {device}]({os.path.relpath(picture, out.parent)})", ""]
             lines += table(op, op_rows) + [""]
     return "\n".join(lines).rstrip() + "\n"
@@ -152,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrax.bench.summary", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("BENCHMARKS.md"))
-    parser.add_argument("--no-plots", action="store_true", help="leave the PNG plots as they are")
+    parser.add_argument("--no-plots", action="store_true", help="leave the PNG plots as they are (linked where "
+                        "they exist)")
     args = parser.parse_args(argv)
     rows = results.load(args.results)
     args.out.write_text(generate(rows, args.out.resolve(), args.results.resolve(), not args.no_plots))
