@@ -50,20 +50,26 @@ def check_values(name: str, x: Any, ok: Callable[[jax.Array], jax.Array], need: 
     nothing to check."""
     if x is None or np.size(x) == 0 or not (is_concrete(x) or _CHECKING.value):
         return
-    values = jnp.asarray(x)
-    bad = jnp.logical_not(ok(values)).reshape(-1)
-    count = jnp.sum(bad, dtype=jnp.int32)
-    first = jnp.argmax(bad)
-    value = values.reshape(-1)[first]
-    index = jnp.stack(jnp.unravel_index(first, values.shape))
     hint = f"; {hint}" if hint else ""
     if is_concrete(x):
+        with jax.ensure_compile_time_eval():  # computed now, even while an enclosing function is traced
+            count, value, index = _first_failure(x, ok)
         if int(count):
-            raise ValueError(f"{name} must be {need}, got {value.item()} at index {np.asarray(index).tolist()} "
-                             f"({int(count)} of {values.size} values){hint}")
+            raise ValueError(f"{name} must be {need}, got {value.item()} at index {[int(i) for i in index]} "
+                             f"({int(count)} of {np.size(x)} values){hint}")
         return
-    checkify.check(count == 0, f"{name} must be {need}, got {{}} at index {{}} ({{}} of {values.size} values)"
-                   f"{hint}", value, index, count)
+    count, value, index = _first_failure(x, ok)
+    at = "[" + ", ".join(["{}"] * len(index)) + "]"
+    checkify.check(count == 0, f"{name} must be {need}, got {{}} at index {at} ({{}} of {np.size(x)} values){hint}",
+                   value, *index, count)
+
+
+def _first_failure(x: Any, ok: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """(how many elements fail `ok`, the first failing value, its index: one coordinate per axis)."""
+    values = jnp.asarray(x)
+    bad = jnp.logical_not(ok(values)).reshape(-1)
+    first = jnp.argmax(bad)
+    return jnp.sum(bad, dtype=jnp.int32), values.reshape(-1)[first], jnp.unravel_index(first, values.shape)
 
 
 def check_finite(name: str, x: Any) -> None:
