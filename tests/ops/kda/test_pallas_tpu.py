@@ -22,7 +22,7 @@ from hybrax.ops.kda.pallas_tpu.chunk_gates import chunk_gates
 from hybrax.ops.kda.pallas_tpu.chunk_intra import factored_scores, unit_lower_inverse, with_exact_diagonal
 from hybrax.ops.kda.pallas_tpu.dots import Dot
 from tests.helpers import TOLERANCE, assert_close, normal, to64
-from tests.ops.kda.oracle import our_gradients, reference_case
+from tests.ops.kda.oracle import ours, reference_case
 
 FP32 = Dot(6)
 
@@ -115,28 +115,46 @@ def test_forward_gqa_odd_length_state_and_forgetting_gates():
     check_forward(inputs(10, 2, 70, 1, 2, 16, 32, jnp.float32, minus_inf=True), TOLERANCE[jnp.float32], chunk=64)
 
 
-def test_forward_bf16_per_head_decay_chunk_128():
+def test_forward_bf16_per_head_decay():
     # bf16 products on the MXU (the state too, as flash-linear-attention): ~3e-3 against float64 here.
     check_forward(inputs(30, 1, 160, 2, 4, 64, 64, jnp.bfloat16, per_head=True), TOLERANCE[jnp.bfloat16],
-                  chunk=128, block_heads=1)
+                  chunk=64, block_heads=1)
+
+
+def test_vmap_and_jit_chunk_128():
+    """Under vmap the mapped axis joins the batch (the kernel's grid keeps its three axes)."""
+    q, k, v, g, beta, h0 = (jnp.stack([a, b]) for a, b in zip(
+        inputs(40, 1, 40, 1, 1, 16, 16, jnp.float32), inputs(50, 1, 40, 1, 1, 16, 16, jnp.float32)))
+    cfg = KernelDeltaAttentionConfig("pallas_tpu", "chunked", chunk_size=128)
+    run = jax.jit(jax.vmap(lambda *x: kernel_delta_attention(*x, return_state=True, cfg=cfg)))
+    out, final = run(q, k, v, beta, g, h0)
+    for index in range(2):
+        ref_out, ref_final = reference.kda_canonical(
+            *(to64(x[index]) for x in (q, k, v, beta, g, h0)), scale=16**-0.5)
+        assert_close(out[index], ref_out, TOLERANCE[jnp.float32], "output")
+        assert_close(final[index], ref_final, TOLERANCE[jnp.float32], "final state")
 
 
 CFG = KernelDeltaAttentionConfig("pallas_tpu", "chunked", chunk_size=64)
 
 
 def test_public_api_outputs_and_gradients_against_float64():
-    """Fused gates, beta logits, T = 45; gradients through the XLA chunked backward."""
-    case = "softplus_gate"
+    """Fused gates, beta logits, T = 45; gradients through XLA chunked's backward on the kernel's chunk states.
+    Outputs and gradients come from one compiled vjp (the loss is linear in the outputs, its weights the
+    cotangents)."""
     with jax.default_device(jax.devices("cpu")[0]):  # the float64 oracle (on a TPU too)
-        arrays, options, weights, outputs, gradients = reference_case(case)
+        arrays, options, weights, outputs, gradients = reference_case("softplus_gate")
     arrays, weights = jax.device_put((arrays, weights), jax.devices()[0])
-    fused = {n: arrays[n] for n in ("a_log", "dt_bias") if n in arrays}
-    got = kernel_delta_attention(*(arrays[n] for n in ("q", "k", "v", "beta", "decay", "initial_state")),
-                                 return_state=True, cfg=CFG, **fused, **options)
-    assert_close(got, outputs, TOLERANCE[jnp.float32], f"{case} outputs")
-    got = our_gradients(CFG, arrays, options, weights)
+
+    @jax.jit
+    def outputs_and_gradients(arrays):
+        got, pullback = jax.vjp(ours(CFG, options), arrays)
+        return got, pullback(weights)[0]
+
+    got, got_gradients = outputs_and_gradients(arrays)
+    assert_close(got, outputs, TOLERANCE[jnp.float32], "outputs")
     for name, want in gradients.items():
-        assert_close(got[name], want, 1e-4, f"{case} d{name}")
+        assert_close(got_gradients[name], want, 1e-4, f"d{name}")
 
 
 def invocation(*args, device="tpu", **kwargs):

@@ -146,6 +146,56 @@ def default_block_heads(value_heads: int, group: int) -> int:
     return next(n for n in (4, 2, 1) if value_heads % n == 0 and (n % group == 0 or group % n == 0))
 
 
+def _launch(q, k, v, g, beta, h0, *, chunk, block_heads, group, per_head, with_states, kernel, interpret):
+    """The pallas_call on the kernel's layout: q, k [B, T', H * 128]; v [B, T', HV * 128]; g like v, or
+    [B, HV, T', 1] per head; beta [B, HV, T', 1]; h0 [B, HV, 128, 128]; T' a multiple of the chunk."""
+    batch, padded = v.shape[:2]
+    value_heads = h0.shape[1]
+    qk_heads = max(block_heads // group, 1)  # query/key heads a step reads
+    qk_block = pl.BlockSpec(
+        (None, chunk, qk_heads * LANES), lambda b, h, t: (b, t, lax.div(h * block_heads, group * qk_heads))
+    )
+    head_block = pl.BlockSpec((None, chunk, block_heads * LANES), lambda b, h, t: (b, t, h))
+    column = pl.BlockSpec((None, block_heads, chunk, 1), lambda b, h, t: (b, h, t, 0))
+    state = pl.BlockSpec((None, block_heads, LANES, LANES), lambda b, h, t: (b, h, 0, 0))
+    chunks = padded // chunk
+    states_out = [(pl.BlockSpec((None, block_heads, None, LANES, LANES), lambda b, h, t: (b, h, t, 0, 0)),
+                   jax.ShapeDtypeStruct((batch, value_heads, chunks, LANES, LANES), jnp.float32))] * with_states
+    return tuple(pallas_call(
+        kernel,
+        grid=(batch, value_heads // block_heads, chunks),
+        in_specs=[qk_block, qk_block, head_block, column if per_head else head_block, column, state],
+        out_specs=[head_block, state, *(spec for spec, _ in states_out)],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, padded, value_heads * LANES), v.dtype),
+            jax.ShapeDtypeStruct((batch, value_heads, LANES, LANES), jnp.float32),
+            *(shape for _, shape in states_out),
+        ],
+        scratch_shapes=[pltpu.VMEM((block_heads, LANES, LANES), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="kda_chunk_fwd_tpu",
+    )(q, k, v, g, beta, h0))
+
+
+def fold_vmap_into_batch(launch):
+    """`launch` (arrays -> tuple of arrays, every one with the batch axis first) with a vmap rule that folds
+    the mapped axis into the batch axis. Pallas' own rule would add a grid axis, which the kernel's
+    dimension semantics (one per grid axis) do not name."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*arrays):
+        return launch(*arrays)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, *arrays):
+        arrays = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(arrays, in_batched)]
+        outputs = call(*(x.reshape(-1, *x.shape[2:]) for x in arrays))
+        return tuple(x.reshape(axis_size, -1, *x.shape[1:]) for x in outputs), (True,) * len(outputs)
+
+    return call
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "l2_normalize", "chunk", "block_heads", "solve_passes", "with_states", "interpret"),
@@ -202,38 +252,17 @@ def kda_forward(
     if initial_state is None:
         initial_state = jnp.zeros((batch, value_heads, dk, dv), jnp.float32)
     per_head = g.shape[3] == 1
-    gates = _columns(g[..., 0], padded) if per_head else lanes(g.astype(jnp.float32))
-    qk_heads = max(block_heads // group, 1)  # query/key heads a step reads
-    qk_block = pl.BlockSpec(
-        (None, chunk, qk_heads * LANES), lambda b, h, t: (b, t, lax.div(h * block_heads, group * qk_heads))
-    )
-    head_block = pl.BlockSpec((None, chunk, block_heads * LANES), lambda b, h, t: (b, t, h))
-    column = pl.BlockSpec((None, block_heads, chunk, 1), lambda b, h, t: (b, h, t, 0))
-    state = pl.BlockSpec((None, block_heads, LANES, LANES), lambda b, h, t: (b, h, 0, 0))
-    chunks = padded // chunk
-    states_out = [(pl.BlockSpec((None, block_heads, None, LANES, LANES), lambda b, h, t: (b, h, t, 0, 0)),
-                   jax.ShapeDtypeStruct((batch, value_heads, chunks, LANES, LANES), jnp.float32))] * with_states
-    kernel = functools.partial(
-        _forward_kernel, group=group, scale=scale, l2_normalize=l2_normalize, per_head=per_head, dot=dot,
-        solve_dot=solve_dot,
-    )
-    o, final, *states = pallas_call(
-        kernel,
-        grid=(batch, value_heads // block_heads, chunks),
-        in_specs=[qk_block, qk_block, head_block, column if per_head else head_block, column, state],
-        out_specs=[head_block, state, *(spec for spec, _ in states_out)],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, padded, value_heads * LANES), v.dtype),
-            jax.ShapeDtypeStruct((batch, value_heads, LANES, LANES), jnp.float32),
-            *(shape for _, shape in states_out),
-        ],
-        scratch_shapes=[pltpu.VMEM((block_heads, LANES, LANES), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+    launch = functools.partial(
+        _launch, chunk=chunk, block_heads=block_heads, group=group, per_head=per_head, with_states=with_states,
+        kernel=functools.partial(
+            _forward_kernel, group=group, scale=scale, l2_normalize=l2_normalize, per_head=per_head, dot=dot,
+            solve_dot=solve_dot,
+        ),
         interpret=interpret_mode() if interpret is None else interpret,
-        name="kda_chunk_fwd_tpu",
-    )(
-        lanes(q), lanes(k), lanes(v), gates, _columns(beta, padded),
-        _pad(initial_state.astype(jnp.float32), {2: LANES, 3: LANES}),
+    )
+    o, final, *states = fold_vmap_into_batch(launch)(
+        lanes(q), lanes(k), lanes(v), _columns(g[..., 0], padded) if per_head else lanes(g.astype(jnp.float32)),
+        _columns(beta, padded), _pad(initial_state.astype(jnp.float32), {2: LANES, 3: LANES}),
     )
     o = o.reshape(batch, padded, value_heads, LANES)[:, :length, :, :dv]
     return (o, final[:, :, :dk, :dv], *(x[..., :dk, :dv] for x in states))
