@@ -1,6 +1,6 @@
 """A small hybrid stack (3 KDA : 1 attention) served by slot: prefill (packed prompts, a padded one) and token-by-
 token decode (padded rows) through `HybridCache` give the training forward's logits, also for a request that reuses
-the slot of one that ended; slots no request holds are never written."""
+the slot of one that ended and with a V-first state pool; slots no request holds are never written."""
 
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ def test_prefill_and_decode_give_the_training_logits():
     served = {name: [] for name in sequences}
 
     allocator, cache = SlotAllocator(3), HybridCache.create(model.mixers, 3, max_len=10)
+    layers = list(cache.layers)
+    layers[1] = model.mixers[1].empty_cache(3, state_v_first=True)  # one KDA layer keeps its states V-first
+    cache = HybridCache(tuple(layers), cache.lengths)
     held = dict(zip("ab", allocator.allocate(2)))
     # a's prompt, a padded prompt of 2 tokens, b's prompt, then a token past the end
     tokens = np.concatenate([sequences["a"][:5], [1, 2], sequences["b"][:3], [3]])
