@@ -1,6 +1,7 @@
-"""kda_decode_pool's Pallas TPU kernel (TPU interpret mode on the CPU, compiled on a TPU) against the float64
-reference: outputs, the rows it updates in place, the rows it must leave alone (unnamed and padded slots),
-fused gates, grouped value heads, several tokens per request and several steps of value-head blocks."""
+"""The Pallas TPU decode kernel (TPU interpret mode on the CPU, compiled on a TPU) against the float64 reference:
+through kda_decode_pool (outputs, the rows it updates in place, the rows it must leave alone: unnamed and
+padded slots; fused gates, grouped value heads, several tokens per request, several steps of value-head
+blocks) and through kernel_delta_attention at T = 1."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import numpy as np
 import pytest
 
 from hybrax.core import registry
-from hybrax.ops.kda.pallas_tpu import decode_pool  # noqa: F401  (registers pallas_tpu:fused_recurrent)
+from hybrax.ops.kda import reference
+from hybrax.ops.kda import api
+from hybrax.ops.kda.api import KernelDeltaAttentionConfig, kernel_delta_attention
+from hybrax.ops.kda.pallas_tpu import pool_register  # noqa: F401  (registers both decode implementations)
+from hybrax.ops.kda.pallas_tpu.decode import fused_recurrent_decode
 from hybrax.serving import KdaDecodePool, kda_decode_pool
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 from tests.serving.test_kda_pool import gate_kwargs, reference_run
@@ -55,6 +60,27 @@ def test_decode_by_slot_in_place(gate, tokens, heads, value_heads):
     np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_kernel_delta_attention_step(per_head):
+    """T = 1 with initial states (GQA; decay per channel or per head): the batch's states are the pool."""
+    (q, k, v, g, beta), _ = case(30, 3, 1, 1, 2, 16, 32, "activated")
+    g = g[..., 0] if per_head else g
+    beta = jax.nn.sigmoid(beta)
+    h0 = normal(37, (3, 2, 16, 32), scale=0.5)
+    cfg = KernelDeltaAttentionConfig("pallas_tpu", "decode")
+    o, final = jax.jit(lambda *x: kernel_delta_attention(*x, return_state=True, cfg=cfg))(q, k, v, beta, g, h0)
+    ref_o, ref_final = reference.kda_reference(*(to64(x) for x in (q, k, v, beta, g, h0)))
+    assert_close(o, ref_o, TOLERANCE[jnp.float32], "output")
+    assert_close(final, ref_final, TOLERANCE[jnp.float32], "final state")
+
+
+def test_step_declines_more_tokens():
+    impl = registry.lookup("kernel_delta_attention", "pallas_tpu", "decode")
+    kernel = api.KernelDeltaAttention()
+    (q, k, v, g, beta), _ = case(0, 1, 2, 1, 1, 16, 16, "activated")
+    assert "seq_len == 1" in impl.supports(kernel.invocation(kernel.prepare(q, k, v, jax.nn.sigmoid(beta), g)))
+
+
 def test_declines_what_it_does_not_cover():
     impl = registry.lookup("kda_decode_pool", "pallas_tpu", "fused_recurrent")
     kernel = KdaDecodePool()
@@ -69,9 +95,9 @@ def test_declines_what_it_does_not_cover():
     assert reason() is None
 
 
-def test_lowers_to_mosaic():
+@pytest.mark.parametrize("in_place", [True, False])
+def test_lowers_to_mosaic(in_place):
     """The kernel through Pallas' Mosaic lowering for a TPU (no TPU needed)."""
-    kernel = KdaDecodePool()
     shape = (64, 1, 16, 128)
     arrays = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3 + [
         jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape[:3], jnp.float32),
@@ -79,7 +105,7 @@ def test_lowers_to_mosaic():
     ]
 
     def step(*x):
-        return decode_pool.pool_decode(kernel.prepare(*x), interpret=False)
+        return fused_recurrent_decode(*x, scale=0.1, in_place=in_place, interpret=False)
 
     text = jax.jit(step).trace(*arrays).lower(lowering_platforms=("tpu",)).as_text()
-    assert "kda_decode_pool_tpu" in text
+    assert "kda_decode_tpu" in text

@@ -6,4 +6,6 @@
     chunk_fwd     the forward kernel (grid, blocks, layout) joining them
     dots          the MXU products' operand dtypes and passes
     register      the "pallas_tpu:chunked" implementation of kernel_delta_attention
+    decode        the decode kernel on rows of a state pool, and "pallas_tpu:decode" (kernel_delta_attention, T = 1)
+    pool_register the "pallas_tpu:fused_recurrent" implementation of kda_decode_pool
 """
