@@ -132,7 +132,8 @@ def test_a_query_that_sees_no_key_outputs_zeros():
     ({"mask": jnp.ones((1, 1, 5, 9), jnp.int32)}, r"mask must be a bool array"),
     ({"bias": jnp.ones((1, 3, 5, 9))}, r"bias must broadcast to \[batch, num_heads, q_len, kv_len\] = \[2, 4, 5, 9\], "
                                        r"got \[1, 3, 5, 9\]"),
-    ({"query_seq_lengths": jnp.array([3, 6], jnp.int32)}, r"query_seq_lengths must be in \[0, 5\], got 6 at index \[1\]"),
+    ({"query_seq_lengths": jnp.array([3, 6], jnp.int32)},
+     r"query_seq_lengths must be in \[0, 5\], got 6 at index \[1\]"),
     ({"key_value_seq_lengths": jnp.array([3.0, 6.0])}, r"key_value_seq_lengths must be an integer array"),
     ({"kv_segment_ids": jnp.zeros((B, 9), jnp.int32)}, r"kv_segment_ids needs segment_ids"),
     ({"segment_ids": jnp.zeros((B, 4), jnp.int32)}, r"segment_ids must have shape \[batch, q_len\] = \[2, 5\]"),

@@ -22,6 +22,7 @@ from hybrax.core import checks, default_executor
 from hybrax.core.validate import (
     check_cu_seqlens, check_divides, check_floating, check_number, check_rank, check_shape, describe,
 )
+from hybrax.ops.fla_states import fla_result, k_first_initial_state
 from hybrax.ops.kda.api import KernelDeltaAttention, KernelDeltaAttentionConfig
 
 ORDER_HINT = ("kimi_delta_attention takes (q, k, v, g, beta) in flash-linear-attention's order; "
@@ -107,20 +108,6 @@ def _beta_arguments(beta: Any, use_beta_sigmoid_in_kernel: bool, allow_neg_eigva
     return beta, True
 
 
-def _initial_state(initial_state: Any, num_states: int, dims: tuple[int, int, int, int, int], v_first: bool,
-                   packed: bool) -> Any:
-    """The initial state in KernelDeltaAttention's [N, HV, K, V] layout."""
-    if initial_state is None:
-        return None
-    _, _, heads, dk, dv = dims
-    rows = "[num_sequences" if packed else "[batch"
-    layout = f"{rows}, num_value_heads, " + ("v_head_dim, head_dim]" if v_first else "head_dim, v_head_dim]")
-    check_shape("initial_state", initial_state, (num_states, heads, dv, dk) if v_first else (num_states, heads, dk, dv),
-                layout)
-    checks.check_finite("initial_state", initial_state)
-    return jnp.swapaxes(initial_state, -1, -2) if v_first else initial_state
-
-
 def kimi_delta_attention(
     q: Float[Array, "batch seq_len num_heads head_dim"],
     k: Float[Array, "batch seq_len num_heads head_dim"],
@@ -183,7 +170,8 @@ def kimi_delta_attention(
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, dims[0], dims[1], "q")
         num_states = jnp.shape(cu_seqlens)[0] - 1
-    h0 = _initial_state(initial_state, num_states, dims, state_v_first, cu_seqlens is not None)
+    h0 = k_first_initial_state(initial_state, num_states, ("num_value_heads", dims[2]), *dims[3:],
+                               v_first=state_v_first, packed=cu_seqlens is not None)
     decay, fused_gate = _gate_arguments(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, dims[2])
     beta, beta_is_logits = _beta_arguments(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     result = default_executor()(
@@ -191,7 +179,4 @@ def kimi_delta_attention(
         softmax_scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, return_state=output_final_state,
         cu_seqlens=cu_seqlens, beta_is_logits=beta_is_logits, platform=platform, cfg=cfg, **fused_gate,
     )
-    if not output_final_state:
-        return result, None
-    output, final_state = result
-    return output, jnp.swapaxes(final_state, -1, -2) if state_v_first else final_state
+    return fla_result(result, output_final_state, state_v_first)

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import checks, default_executor
-from hybrax.core.validate import check_number, check_rank, check_shape
+from hybrax.core.validate import check_number, check_rank
+from hybrax.ops.fla_states import fla_result, k_first_initial_state
 from hybrax.ops.recurrent.api import RecurrentAttention, RecurrentAttentionConfig
 
 
@@ -27,14 +28,9 @@ def _initial_state(initial_state: Any, q: Any, v: Any, cu_seqlens: Any, v_first:
     check_rank("q", q, 4, "[batch, seq_len, num_heads, head_dim]")
     check_rank("v", v, 4, "[batch, seq_len, num_kv_heads, v_head_dim]")
     batch, _, heads, dk = jnp.shape(q)
-    dv = jnp.shape(v)[3]
     states = batch if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
-    rows = "[batch" if cu_seqlens is None else "[num_sequences"
-    layout = f"{rows}, num_heads, " + ("v_head_dim, head_dim]" if v_first else "head_dim, v_head_dim]")
-    check_shape("initial_state", initial_state, (states, heads, dv, dk) if v_first else (states, heads, dk, dv),
-                layout)
-    checks.check_finite("initial_state", initial_state)
-    return jnp.swapaxes(initial_state, -1, -2) if v_first else initial_state
+    return k_first_initial_state(initial_state, states, ("num_heads", heads), dk, jnp.shape(v)[3], v_first=v_first,
+                                 packed=cu_seqlens is not None)
 
 
 def gated_linear_attention(
@@ -89,7 +85,4 @@ def gated_linear_attention(
         RecurrentAttention(), q, k, v, g, None, gk, gv, h0, cu_seqlens,
         softmax_scale=scale, reverse=reverse, return_state=output_final_state, platform=platform, cfg=cfg,
     )
-    if not output_final_state:
-        return result, None
-    output, final_state = result
-    return output, jnp.swapaxes(final_state, -1, -2) if state_v_first else final_state
+    return fla_result(result, output_final_state, state_v_first)
