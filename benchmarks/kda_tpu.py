@@ -6,13 +6,16 @@ Run on the TPU machine (JAX 0.10.2 there; jaxtyping and einops from its own inde
         --index-url file:///opt/pypi/simple --target /tmp/site jaxtyping einops
     PYTHONPATH=$PYTHONPATH:/tmp/site:$PWD/src:$PWD python3 benchmarks/kda_tpu.py --tests
 
-In one process (one program at a time may hold the chip): with --tests, tests/ops/kda/test_pallas_tpu.py first,
-its kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each shape:
+In one process (one program at a time may hold the chip): with --tests, tests/ops/kda/test_pallas_tpu*.py first,
+their kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each shape:
   sweep   the forward kernel alone (`kda_forward`) over chunk, value heads per grid step and the MXU passes
           of the scores and the solve, each with its error against the XLA fp32 path;
   api     forward and forward+backward through `kernel_delta_attention`, ours (default config) and XLA's,
           with the full-size errors of ours against XLA on fp32 inputs (out and final state; gradients:
           ours run XLA's chunked backward, on the states our forward kept);
+  decode  kda_decode_pool and kernel_delta_attention at T = 1 (B = 64, 16 heads of 128, fp32 states), ours
+          and XLA's, per step of a jitted loop of DECODE_STEPS steps carrying the pool, with the state
+          traffic in GB/s beside that of an elementwise pass over 512 MiB (read + write);
   steep   ours and XLA on gates of -5 sigmoid(N(0, 1) + b_c), b_c ~ N(0, 4) per channel (most sub-chunks then
           decay by more than exp(60) in some channel: the exact diagonal blocks run).
 Times: median over rounds of the mean of back-to-back jitted calls (block_until_ready). A table is printed
@@ -38,15 +41,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import print_table  # noqa: E402
 
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
-from hybrax.ops.kda.pallas_tpu import register  # noqa: E402,F401  (registers pallas_tpu:chunked)
+from hybrax.ops.kda.pallas_tpu import pool_register, register  # noqa: E402,F401  (register the TPU kernels)
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import kda_forward  # noqa: E402
+from hybrax.serving import kda_decode_pool  # noqa: E402
 
 SHAPES = [(1, 8192, 16, 128), (8, 2048, 16, 128)]
 SWEEP = [  # (chunk, block_heads, solve_passes)
     *itertools.product((64, 128), (1, 4), (1, 3)),
 ]
 START = time.perf_counter()
-RESULTS: dict = {"device": None, "sweep": [], "api": [], "steep": [], "errors": []}
+RESULTS: dict = {"device": None, "sweep": [], "api": [], "steep": [], "decode": [], "errors": []}
+DECODE = (64, 16, 128)  # requests, heads, head dim
+DECODE_STEPS = 20
 
 
 def log(text: str) -> None:
@@ -173,13 +179,67 @@ def api(shape, inputs, reference, steep: bool = False) -> None:
             save()
 
 
+def elementwise_gbps() -> float:
+    """Bytes read plus written per second by x * 2 + 1 over 512 MiB of fp32."""
+    x = jnp.ones((2**27,), jnp.float32)
+    fn = jax.jit(lambda x: x * 2 + 1)
+    return 2 * x.size * 4 / (time_ms(fn, x) * 1e-3) / 1e9
+
+
+def decode() -> None:
+    batch, heads, dim = DECODE
+    keys = jax.random.split(jax.random.key(2), 6)
+    q, k, v = (jax.random.normal(keys[i], (batch, 1, heads, dim), jnp.bfloat16) for i in range(3))
+    g = -0.5 * jax.random.uniform(keys[3], (batch, 1, heads, dim), jnp.float32)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, 1, heads), jnp.float32))
+    pool = 0.1 * jax.random.normal(keys[5], (batch, heads, dim, dim), jnp.float32)
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    state_bytes = 2 * pool.size * 4
+    copy = guarded("decode elementwise pass", elementwise_gbps)
+    for op, platform in itertools.product(("kda_decode_pool", "kernel_delta_attention"), ("pallas_tpu", "xla")):
+        if op == "kda_decode_pool":
+            step = lambda pool, p=platform: kda_decode_pool(q, k, v, g, beta, pool, slots, platform=p)  # noqa: E731
+        else:
+            step = lambda pool, p=platform: kernel_delta_attention(  # noqa: E731
+                q, k, v, beta, g, pool, return_state=True, platform=p)
+
+        @jax.jit
+        def loop(pool, step=step):
+            def body(_, carry):
+                pool, total = carry
+                o, pool = step(pool)
+                return pool, total + jnp.sum(o[:, :, 0, :8].astype(jnp.float32))
+            return jax.lax.fori_loop(0, DECODE_STEPS, body, (pool, jnp.zeros((), jnp.float32)))
+
+        def run():
+            final = loop(pool)[0]
+            us = time_ms(loop, pool, reps=2, rounds=5) * 1e3 / DECODE_STEPS
+            row = dict(op=op, platform=platform, us_per_step=round(us, 1), gbps=round(state_bytes / (us * 1e-6) / 1e9))
+            if copy:
+                row["pct_of_elementwise"] = round(100 * row["gbps"] / copy, 1)
+            row["final"] = final
+            return row
+
+        row = guarded(f"decode {op} {platform}", run)
+        if row:
+            RESULTS["decode"].append(row)
+    finals = {(r["op"], r["platform"]): r.pop("final") for r in RESULTS["decode"]}
+    for r in RESULTS["decode"]:
+        if (r["op"], "xla") in finals and r["platform"] != "xla":
+            r["err_pool_vs_xla"] = f"{rel(finals[(r['op'], r['platform'])], finals[(r['op'], 'xla')]):.1e}"
+        log(str(r))
+    RESULTS["elementwise_gbps"] = copy
+    save()
+
+
 def run_tests() -> None:
-    """The test file, in this process (one program may hold the chip), before anything else starts JAX's
+    """The test files, in this process (one program may hold the chip), before anything else starts JAX's
     backends: tests/conftest.py sets the CPU device count."""
     import pytest
 
-    log("tests/ops/kda/test_pallas_tpu.py, compiled")
-    code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/ops/kda/test_pallas_tpu.py"])
+    log("tests/ops/kda/test_pallas_tpu*.py, compiled")
+    code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/ops/kda/test_pallas_tpu.py",
+                        "tests/ops/kda/test_pallas_tpu_decode.py"])
     RESULTS["tests_exit_code"] = int(code)
     save()
 
@@ -187,7 +247,7 @@ def run_tests() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tests", action="store_true", help="run tests/ops/kda/test_pallas_tpu.py first")
-    parser.add_argument("--parts", default="sweep,api,steep")
+    parser.add_argument("--parts", default="sweep,api,steep,decode")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of SHAPES")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no part starts")
     args = parser.parse_args()
@@ -211,7 +271,10 @@ def main() -> None:
         if "steep" in parts and index == 0:
             steep = make_inputs(1, *shape, steep=True)
             api(shape, steep, reference_fp32(steep, shape[3] ** -0.5), steep=True)
+    if "decode" in parts:
+        decode()
     print_table(RESULTS["sweep"], ["shape", "variant", "fwd_ms", "err_o", "err_state", "first_call_s"])
+    print_table(RESULTS["decode"], ["op", "platform", "us_per_step", "gbps", "pct_of_elementwise", "err_pool_vs_xla"])
     print_table(RESULTS["steep"], ["shape", "platform", "fwd_ms", "err_o", "err_state"])
     print_table(RESULTS["api"], ["shape", "platform", "fwd_ms", "fwd_bwd_ms", "err_o", "err_state"])
     if RESULTS["errors"]:

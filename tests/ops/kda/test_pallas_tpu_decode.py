@@ -5,6 +5,8 @@ blocks) and through kernel_delta_attention at T = 1."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from hybrax.core import registry
 from hybrax.ops.kda import reference
 from hybrax.ops.kda import api
 from hybrax.ops.kda.api import KernelDeltaAttentionConfig, kernel_delta_attention
-from hybrax.ops.kda.pallas_tpu import pool_register  # noqa: F401  (registers both decode implementations)
+from hybrax.ops.kda.pallas_tpu import pool_register, register  # noqa: F401  (register the TPU implementations)
 from hybrax.ops.kda.pallas_tpu.decode import fused_recurrent_decode
 from hybrax.serving import KdaDecodePool, kda_decode_pool
 from tests.helpers import TOLERANCE, assert_close, normal, to64
@@ -74,11 +76,17 @@ def test_kernel_delta_attention_step(per_head):
     assert_close(final, ref_final, TOLERANCE[jnp.float32], "final state")
 
 
-def test_step_declines_more_tokens():
-    impl = registry.lookup("kernel_delta_attention", "pallas_tpu", "decode")
+def test_auto_takes_the_step_on_a_tpu_for_one_token_only():
     kernel = api.KernelDeltaAttention()
-    (q, k, v, g, beta), _ = case(0, 1, 2, 1, 1, 16, 16, "activated")
-    assert "seq_len == 1" in impl.supports(kernel.invocation(kernel.prepare(q, k, v, jax.nn.sigmoid(beta), g)))
+
+    def chosen(tokens, device="tpu"):
+        (q, k, v, g, beta), _ = case(0, 1, tokens, 1, 1, 16, 16, "activated")
+        inv = dataclasses.replace(kernel.invocation(kernel.prepare(q, k, v, jax.nn.sigmoid(beta), g)), device=device)
+        return [impl.name for impl in registry.supported("kernel_delta_attention", inv)]
+
+    assert chosen(1)[0] == "pallas_tpu:decode"
+    assert chosen(2)[0] == "pallas_tpu:chunked"
+    assert "pallas_tpu:decode" not in chosen(1, device="cpu")
 
 
 def test_declines_what_it_does_not_cover():
