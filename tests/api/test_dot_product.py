@@ -148,3 +148,9 @@ def test_non_finite_inputs_name_the_argument():
     q, k, v = qkv(5, 9, 7)
     with pytest.raises(ValueError, match=r"key must be finite \(no NaN or inf\), got nan at index \[1, 8, 1, 7\]"):
         dot_product_attention(q, k.at[1, 8, 1, 7].set(jnp.nan), v)
+
+
+def test_vmap_over_the_batch():
+    q, k, v = qkv(5, 9, 8)
+    mapped = jax.vmap(lambda q, k, v: dot_product_attention(q, k, v, is_causal=True))(q, k, v)  # unbatched calls
+    np.testing.assert_allclose(mapped, dot_product_attention(q, k, v, is_causal=True), rtol=1e-6, atol=1e-6)

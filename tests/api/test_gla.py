@@ -148,3 +148,13 @@ def test_checked_under_jit():
     step(x["g"])
     with pytest.raises(ValueError, match=r"g must be <= 0 .* got 0.25 at index \[1, 4, 1, 0\]"):
         step(x["g"].at[1, 4, 1, 0].set(0.25))
+
+
+def test_vmap_over_the_batch():
+    x = inputs(9)
+    args = (x["q"], x["k"], x["v"], x["g"], x["h0"])
+    mapped = jax.vmap(lambda q, k, v, g, h0: gated_linear_attention(
+        q[None], k[None], v[None], g[None], initial_state=h0[None], output_final_state=True))(*args)
+    batched = gated_linear_attention(*args[:4], initial_state=x["h0"], output_final_state=True)
+    for got, want in zip(mapped, batched):
+        np.testing.assert_allclose(got[:, 0], want, rtol=1e-5, atol=1e-5)

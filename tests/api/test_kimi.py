@@ -265,3 +265,14 @@ def test_checked_under_jit():
         step(x["g"], x["beta"].at[1, 1, 1].set(2.0))
     # Outside `checked` a traced value is not checked (and the program still runs).
     jax.jit(lambda g: kimi_delta_attention(x["q"], x["k"], x["v"], g, x["beta"])[0])(x["g"].at[0, 0, 0, 0].set(0.5))
+
+
+def test_vmap_over_the_batch():
+    """vmap over the batch (each call sees a batch of one) gives the batched call's output and states."""
+    x = inputs(16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
+    mapped = jax.vmap(lambda q, k, v, g, beta, h0: kimi_delta_attention(
+        q[None], k[None], v[None], g[None], beta[None], initial_state=h0[None], output_final_state=True))(*args)
+    batched = kimi_delta_attention(*args[:5], initial_state=x["h0"], output_final_state=True)
+    for got, want in zip(mapped, batched):
+        np.testing.assert_allclose(got[:, 0], want, rtol=1e-5, atol=1e-5)
