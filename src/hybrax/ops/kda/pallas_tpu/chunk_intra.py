@@ -10,7 +10,7 @@ exp(P) <= 1, the right one holds, in the columns of each earlier sub-chunk b, k 
 exp(Σ_{b < m < a} T_m) <= 1 (exact: the exponent is the sum of the gates between the two rows), and in
 the columns of sub-chunk a itself k exp(-P), which is >= 1: bounded by the sub-chunk's decay. Where some
 sub-chunk decays by more than exp(STEEP) in some channel (`ChunkGates.steepest`; gates of -1000 or -inf),
-that factor is clamped and the diagonal blocks are computed again exactly (`exact_diagonal`: per column,
+that factor is clamped and the diagonal blocks are computed again exactly (`with_exact_diagonal`: per column,
 the exponents as sums of the gates between the rows).
 
 T = (I + A_kk)^-1 comes from blocked forward substitution on whole [C, C] tiles (`unit_lower_inverse`).
@@ -28,6 +28,7 @@ from hybrax.ops.kda.pallas_tpu.dots import Dot, Operand
 # The largest decay within one sub-chunk that the diagonal blocks take as a product: exp(60) = 1e26 keeps
 # the factors and the products of the masked upper triangle far from fp32's limit (3e38).
 STEEP = 60.0
+
 
 def index_grid(rows: int, cols: int) -> tuple[jax.Array, jax.Array]:
     """Row and column indices of a [rows, cols] tile."""
