@@ -136,6 +136,7 @@ def test_a_query_that_sees_no_key_outputs_zeros():
      r"query_seq_lengths must be in \[0, 5\], got 6 at index \[1\]"),
     ({"key_value_seq_lengths": jnp.array([3.0, 6.0])}, r"key_value_seq_lengths must be an integer array"),
     ({"kv_segment_ids": jnp.zeros((B, 9), jnp.int32)}, r"kv_segment_ids needs segment_ids"),
+    ({"sinks": jnp.zeros((3, 2))}, r"sinks must have shape \[num_heads, num_sinks\] = \[4, \*\] or \[num_sinks\]"),
     ({"segment_ids": jnp.zeros((B, 4), jnp.int32)}, r"segment_ids must have shape \[batch, q_len\] = \[2, 5\]"),
 ])
 def test_bad_arguments_name_the_argument(changes, message):

@@ -233,6 +233,8 @@ def bad_call(**changes):
     (lambda x: {"lower_bound": -5.0}, r"lower_bound belongs to the gate"),
     (lambda x: {"g": x["raw"], "use_gate_in_kernel": True}, r"use_gate_in_kernel=True needs A_log"),
     (lambda x: {"g": x["raw"], "use_gate_in_kernel": True, "A_log": x["A_log"][:2]}, r"A_log must have shape"),
+    (lambda x: {"g": x["raw"], "use_gate_in_kernel": True, "A_log": jnp.zeros(HV, jnp.int32)},
+     r"A_log must be a floating-point array"),
     (lambda x: {"g": x["raw"], "use_gate_in_kernel": True, "A_log": x["A_log"], "lower_bound": -6.0,
                 "safe_gate": True}, r"lower_bound must be a number in \[-5, 0\) with safe_gate=True"),
     (lambda x: {"initial_state": x["h0"], "state_v_first": True},

@@ -104,6 +104,13 @@ def _mask_info(mask: Any, segment_ids: Any, kv_segment_ids: Any, query_seq_lengt
     return None if mask is None else MaskInfo.from_attention_mask(mask)
 
 
+def _check_sinks(sinks: Any, heads: int) -> None:
+    shape = tuple(jnp.shape(sinks))
+    if len(shape) not in (1, 2) or (len(shape) == 2 and shape[0] != heads):
+        raise ValueError(f"sinks must have shape [num_heads, num_sinks] = [{heads}, *] or [num_sinks], "
+                         f"got {describe(shape)}")
+
+
 def _platform_and_cfg(implementation: Any, platform: Any, cfg: Any) -> tuple[Any, Any]:
     if implementation is None:
         return platform, cfg
@@ -171,6 +178,8 @@ def dot_product_attention(
     batch, q_len, heads, _ = jnp.shape(query)
     kv_len = jnp.shape(key)[1]
     window = _window(local_window_size)
+    if sinks is not None:
+        _check_sinks(sinks, heads)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
     if mask is not None:

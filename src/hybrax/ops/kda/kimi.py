@@ -87,6 +87,7 @@ def _gate_arguments(g: Any, use_gate_in_kernel: bool, A_log: Any, dt_bias: Any, 
         A_log = jnp.zeros((heads,), jnp.float32)  # exp(0) = 1: fla's bounded gate without A_log
     else:
         check_shape("A_log", A_log, (heads,), "[num_value_heads]")
+        check_floating("A_log", A_log)
     checks.check_not_nan("g", g)
     checks.check_finite("A_log", A_log)
     checks.check_finite("dt_bias", dt_bias)
