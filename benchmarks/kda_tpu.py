@@ -13,6 +13,8 @@ their kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each s
   api     forward and forward+backward through `kernel_delta_attention`, ours (default config) and XLA's,
           with the full-size errors of ours against XLA on fp32 inputs (out and final state; gradients:
           ours run XLA's chunked backward, on the states our forward kept);
+  ablate  the forward kernel at its defaults with one piece at a time replaced by a stub of the same shapes
+          (wrong results, for timing only): what each piece costs, as the machine has no profiler;
   decode  kda_decode_pool and kernel_delta_attention at T = 1 (B = 64, 16 heads of 128, fp32 states), ours
           and XLA's, per step of a jitted loop of DECODE_STEPS steps carrying the pool, with the state
           traffic in GB/s beside that of an elementwise pass over 512 MiB (read + write);
@@ -25,6 +27,7 @@ after each part, the last one short; everything goes to $OUT/kda_tpu.json when O
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -42,7 +45,9 @@ from timing import print_table  # noqa: E402
 
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
 from hybrax.ops.kda.pallas_tpu import pool_register, register  # noqa: E402,F401  (register the TPU kernels)
+from hybrax.ops.kda.pallas_tpu import chunk_fwd  # noqa: E402
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import kda_forward  # noqa: E402
+from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates  # noqa: E402
 from hybrax.serving import kda_decode_pool  # noqa: E402
 
 SHAPES = [(1, 8192, 16, 128), (8, 2048, 16, 128)]
@@ -179,6 +184,48 @@ def api(shape, inputs, reference, steep: bool = False) -> None:
             save()
 
 
+def _square_zeros(q, k, gates, dot):
+    return (jnp.zeros((q.shape[0], q.shape[0]), jnp.float32),) * 2
+
+
+def _plain_gates(g):
+    return ChunkGates(g, g, [g[m * SUB:m * SUB + 1] for m in range(g.shape[0] // SUB)])
+
+
+STUBS = {  # piece -> (name in chunk_fwd, stub)
+    "gate sums": ("chunk_gates", _plain_gates),
+    "scores": ("factored_scores", _square_zeros),
+    "steep check": ("is_steep", lambda gates: jnp.zeros((), bool)),
+    "solve": ("unit_lower_inverse", lambda lower, dot: lower),
+    "state step": ("state_step", lambda state, w, u, qg, aqk, kg, decay, dot: (u + w, state)),
+}
+
+
+def ablate(shape, inputs) -> None:
+    """The default forward, then with each piece stubbed (a fresh jit each, so that no trace is shared)."""
+    scale = shape[3] ** -0.5
+    for piece in ("none", *STUBS):
+        name, stub = STUBS.get(piece, (None, None))
+        original = getattr(chunk_fwd, name) if name else None
+
+        def run(name=name, stub=stub):
+            fn = jax.jit(functools.partial(kda_forward.__wrapped__, scale=scale, chunk=128))
+            if name:
+                setattr(chunk_fwd, name, stub)
+            try:
+                jax.block_until_ready(fn(*inputs))
+            finally:
+                if name:
+                    setattr(chunk_fwd, name, original)
+            return dict(shape=str(shape), stubbed=piece, fwd_ms=round(time_ms(fn, *inputs), 3))
+
+        row = guarded(f"ablate {shape} {piece}", run)
+        if row:
+            RESULTS.setdefault("ablate", []).append(row)
+            log(str(row))
+            save()
+
+
 def elementwise_gbps() -> float:
     """Bytes read plus written per second by x * 2 + 1 over 512 MiB of fp32."""
     x = jnp.ones((2**27,), jnp.float32)
@@ -247,7 +294,7 @@ def run_tests() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tests", action="store_true", help="run tests/ops/kda/test_pallas_tpu.py first")
-    parser.add_argument("--parts", default="sweep,api,steep,decode")
+    parser.add_argument("--parts", default="sweep,ablate,api,steep,decode")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of SHAPES")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no part starts")
     args = parser.parse_args()
@@ -266,6 +313,8 @@ def main() -> None:
             # Later shapes: the two fastest variants of the first.
             timed = sorted((r["fwd_ms"], r["variant"]) for r in RESULTS["sweep"] if r["shape"] == str(SHAPES[0]))
             variants = [v for v in SWEEP if f"C{v[0]} heads{v[1]} passes{v[2]}" in [n for _, n in timed[:2]]]
+        if "ablate" in parts and index == 0:
+            ablate(shape, inputs)
         if "api" in parts:
             api(shape, inputs, reference)
         if "steep" in parts and index == 0:
@@ -274,6 +323,7 @@ def main() -> None:
     if "decode" in parts:
         decode()
     print_table(RESULTS["sweep"], ["shape", "variant", "fwd_ms", "err_o", "err_state", "first_call_s"])
+    print_table(RESULTS.get("ablate", []), ["shape", "stubbed", "fwd_ms"])
     print_table(RESULTS["decode"], ["op", "platform", "us_per_step", "gbps", "pct_of_elementwise", "err_pool_vs_xla"])
     print_table(RESULTS["steep"], ["shape", "platform", "fwd_ms", "err_o", "err_state"])
     print_table(RESULTS["api"], ["shape", "platform", "fwd_ms", "fwd_bwd_ms", "err_o", "err_state"])
