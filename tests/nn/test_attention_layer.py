@@ -23,9 +23,10 @@ EVERYTHING = dict(PLAIN, num_kv_heads=1, rope_theta=500.0, sliding_window=3, qk_
 
 def make_layer(cfg, qkv_bias=False, seed=0):
     weights = reference.random_attention_weights(np.random.default_rng(seed), HIDDEN, cfg, qkv_bias)
-    layer = Attention(HIDDEN, cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], rope_theta=cfg["rope_theta"],
-                      sliding_window=cfg["sliding_window"], sinks=cfg["sinks"], qk_norm=cfg["qk_norm"],
-                      qkv_bias=qkv_bias, norm_eps=cfg["norm_eps"], rngs=nnx.Rngs(seed))
+    layer = nnx.eval_shape(lambda: Attention(  # shapes only: every parameter comes from the weights
+        HIDDEN, cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], rope_theta=cfg["rope_theta"],
+        sliding_window=cfg["sliding_window"], sinks=cfg["sinks"], qk_norm=cfg["qk_norm"], qkv_bias=qkv_bias,
+        norm_eps=cfg["norm_eps"], rngs=nnx.Rngs(seed)))
     layer.load_fla_state_dict(weights)
     return layer, weights
 

@@ -53,9 +53,10 @@ def test_short_convolution_keeps_sequences_apart_and_serves():
     assert_close(run(conv, x[:1], cu, None)[:, :8], want[:, :8], TOL)
 
     pool = conv.empty_cache(4)
-    y, pool = conv.prefill(x[:1, :6], pool, jnp.array([2, 0]), cu_seqlens=jnp.array([0, 2, 6]))
+    y, pool = nnx.jit(lambda conv, x, pool: conv.prefill(x, pool, jnp.array([2, 0]), cu_seqlens=jnp.array([0, 2, 6])))(
+        conv, x[:1, :6], pool)
     assert_close(y, conv_reference(conv, x[:1, :6], [(0, slice(0, 2)), (0, slice(2, 6))]), TOL)
-    y, pool = conv.decode(x[:, 6:7], pool, jnp.array([0, -1]))
+    y, pool = nnx.jit(lambda conv, x, pool: conv.decode(x, pool, jnp.array([0, -1])))(conv, x[:, 6:7], pool)
     assert_close(y[0], conv_reference(conv, x[:1, 2:7], [(0, slice(0, 5))])[0, 4:], TOL)
     assert np.all(np.asarray(y[1]) == 0)
     with pytest.raises(ValueError, match=r"x must have shape \[batch, 1, hidden_size\] = \[\*, 1, 6\], got \[2, 2, "):

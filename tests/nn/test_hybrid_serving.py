@@ -87,7 +87,9 @@ def test_prefill_and_decode_give_the_training_logits():
             served["c"].extend(np.asarray(y[0, :4]))
         slots = jnp.array([held[row] if row else -1 for row in rows], jnp.int32)
         step_tokens = jnp.array([sequences[row][fed[row]] if row else 0 for row in rows], jnp.int32)
+        donated = cache.layers[0].state
         y, cache = decode(model, step_tokens, cache, slots)
+        assert donated.is_deleted()  # the pools were donated: updated in place
         for index, row in enumerate(rows):
             if row:
                 served[row].append(np.asarray(y[index]))
@@ -112,6 +114,6 @@ def test_allocator_and_cache_refuse_misuse():
         allocator.release([0])
     with pytest.raises(ValueError, match="release takes each slot once"):
         allocator.release([1, 1])
-    cache = HybridCache.create([KimiDeltaAttention(HIDDEN, 2, 8, rngs=nnx.Rngs(0))], 2, max_len=4)
+    cache = HybridCache.create([nnx.eval_shape(lambda: KimiDeltaAttention(HIDDEN, 2, 8, rngs=nnx.Rngs(0)))], 2, 4)
     with pytest.raises(ValueError, match=r"layers must hold one cache per layer \(1\), got 2"):
         cache.decoded([None, None], jnp.array([0]))

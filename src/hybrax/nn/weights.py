@@ -35,7 +35,8 @@ def _converted(name: str, value: Any, shape: tuple[int, ...], convert: Callable 
 
 
 def load_parameters(owner: str, state_dict: Mapping[str, Any], targets: Mapping[str, Target]) -> None:
-    """Write state_dict[name] into each target's variable (cast to its dtype); the names must match exactly."""
+    """Write state_dict[name] into each target's variable (cast to its dtype; a variable may hold just a shape, as
+    `nnx.eval_shape` builds it, so a layer can be made without initialising it); the names must match exactly."""
     missing, unexpected = sorted(set(targets) - set(state_dict)), sorted(set(state_dict) - set(targets))
     if missing or unexpected:
         raise ValueError(f"{owner}.load_fla_state_dict needs exactly the names {sorted(targets)}: "
@@ -43,4 +44,4 @@ def load_parameters(owner: str, state_dict: Mapping[str, Any], targets: Mapping[
     values = {name: _converted(name, state_dict[name], shape, convert)
               for name, (_, shape, convert) in targets.items()}
     for name, (variable, _, _) in targets.items():
-        variable[...] = jnp.asarray(values[name], variable[...].dtype)
+        variable.set_value(jnp.asarray(values[name], variable.get_value().dtype))
