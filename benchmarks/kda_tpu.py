@@ -100,10 +100,9 @@ def make_inputs(seed: int, batch: int, length: int, heads: int, dim: int, steep:
     return q, k, v, g, beta
 
 
-def runners(platform: str, scale: float):
-    """(forward, forward+backward) through the public API: ours at its heuristic chunk, XLA at 64 (the chunk
-    its heuristic takes from the call's default hint)."""
-    chunk = None if platform == "pallas_tpu" else 64
+def runners(platform: str, scale: float, chunk: int = 64):
+    """(forward, forward+backward) through the public API at `chunk` (64: XLA's heuristic for the call's
+    default hint)."""
     cfg = KernelDeltaAttentionConfig(platform=platform, backend="chunked", chunk_size=chunk)
 
     def forward(q, k, v, g, beta):
@@ -165,19 +164,19 @@ def sweep(shape, inputs, reference, variants) -> None:
 def api(shape, inputs, reference, steep: bool = False) -> None:
     scale = shape[3] ** -0.5
     rows = RESULTS["steep" if steep else "api"]
-    for platform in ("pallas_tpu", "xla"):
-        forward, backward = runners(platform, scale)
+    for platform, chunk in (("pallas_tpu", 64), ("pallas_tpu", 128), ("xla", 64)):
+        forward, backward = runners(platform, scale, chunk)
 
         def run():
             o, final = forward(*inputs)
-            row = dict(shape=str(shape), platform=platform, fwd_ms=round(time_ms(forward, *inputs), 3),
+            row = dict(shape=str(shape), platform=platform, chunk=chunk, fwd_ms=round(time_ms(forward, *inputs), 3),
                        err_o=f"{rel(o.astype(jnp.float32), reference[0]):.1e}",
                        err_state=f"{rel(final, reference[1]):.1e}")
             if not steep:
                 row["fwd_bwd_ms"] = round(time_ms(backward, *inputs, reps=2, rounds=3), 3)
             return row
 
-        row = guarded(f"{'steep' if steep else 'api'} {shape} {platform}", run)
+        row = guarded(f"{'steep' if steep else 'api'} {shape} {platform} {chunk}", run)
         if row:
             rows.append(row)
             log(str(row))
@@ -325,8 +324,8 @@ def main() -> None:
     print_table(RESULTS["sweep"], ["shape", "variant", "fwd_ms", "err_o", "err_state", "first_call_s"])
     print_table(RESULTS.get("ablate", []), ["shape", "stubbed", "fwd_ms"])
     print_table(RESULTS["decode"], ["op", "platform", "us_per_step", "gbps", "pct_of_elementwise", "err_pool_vs_xla"])
-    print_table(RESULTS["steep"], ["shape", "platform", "fwd_ms", "err_o", "err_state"])
-    print_table(RESULTS["api"], ["shape", "platform", "fwd_ms", "fwd_bwd_ms", "err_o", "err_state"])
+    print_table(RESULTS["steep"], ["shape", "platform", "chunk", "fwd_ms", "err_o", "err_state"])
+    print_table(RESULTS["api"], ["shape", "platform", "chunk", "fwd_ms", "fwd_bwd_ms", "err_o", "err_state"])
     if RESULTS["errors"]:
         print(f"{len(RESULTS['errors'])} part(s) failed: " + "; ".join(e["what"] for e in RESULTS["errors"]))
 
