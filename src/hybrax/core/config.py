@@ -55,6 +55,10 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+        for field in dataclasses.fields(self):  # numpy integers become ints: one hash, and JSON takes them
+            value = getattr(self, field.name)
+            if field.name not in _IDENTITY and value is not None:
+                object.__setattr__(self, field.name, int(value))
 
     def validate(self) -> None:
         """Raise ValueError naming the first field holding what no implementation could take."""
