@@ -81,11 +81,14 @@ def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, cached_
     check_rank("k", k, 4, "[batch, tokens, num_kv_heads, head_dim]")
     kv_heads = jnp.shape(k)[2]
     check_shape("k", k, (batch, tokens, kv_heads, head_dim), "[batch, tokens, num_kv_heads, head_dim] (q's)")
+    check_at_least_one("q", q, {2: "num_heads", 3: "head_dim"})
+    check_at_least_one("k", k, {2: "num_kv_heads"})
     if heads % kv_heads:
         raise ValueError(f"num_heads of q ({heads}) must be a multiple of num_kv_heads of k ({kv_heads})")
     check_rank("v", v, 4, "[batch, tokens, num_kv_heads, v_head_dim]")
     v_dim = jnp.shape(v)[3]
     check_shape("v", v, (batch, tokens, kv_heads, v_dim), "[batch, tokens, num_kv_heads, v_head_dim] (k's)")
+    check_at_least_one("v", v, {3: "v_head_dim"})
     check_rank("k_pool", k_pool, 4, "[num_slots, max_len, num_kv_heads, head_dim]")
     num_slots, max_len = jnp.shape(k_pool)[:2]
     check_shape("k_pool", k_pool, (num_slots, max_len, kv_heads, head_dim),

@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, register, static_field
 from hybrax.core.config import is_power_of_two
 from hybrax.core.validate import (
-    check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
+    check_at_least_one, check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
     check_shape, is_concrete,
 )
 from hybrax.ops.kda import cuda_decode, pallas_decode
@@ -137,6 +137,8 @@ class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
         check_rank("v", v, 4, "[batch, tokens, num_value_heads, v_head_dim]")
         value_heads, dv = jnp.shape(v)[2:]
         check_shape("v", v, (batch, length, value_heads, dv), "[batch, tokens, num_value_heads, v_head_dim]")
+        check_at_least_one("q", q, {2: "num_heads", 3: "head_dim"})
+        check_at_least_one("v", v, {2: "num_value_heads", 3: "v_head_dim"})
         if value_heads % heads:
             raise ValueError(f"num_value_heads of v ({value_heads}) must be a multiple of num_heads of q ({heads})")
         check_shape("beta", beta, (batch, length, value_heads), "[batch, tokens, num_value_heads]")
