@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, register, static_field
 from hybrax.core.validate import (
-    check_floating, check_integer, check_positive_number, check_rank, check_shape, is_concrete,
+    check_at_least_one, check_floating, check_integer, check_positive_number, check_rank, check_shape, is_concrete,
 )
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
