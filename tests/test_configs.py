@@ -221,3 +221,30 @@ def test_kda_takes_zero_tokens():
 def test_recurrent_attention_rejects_empty_heads_and_head_dims_by_name(shapes, match):
     with pytest.raises(ValueError, match=match):
         recurrent_attention(*_recurrent_inputs(**shapes))
+
+
+def _kda_pool_call(heads=H, dk=D, value_heads=H, dv=D):
+    q, k = jnp.ones((2, 1, heads, dk)), jnp.ones((2, 1, heads, dk))
+    v, beta = jnp.ones((2, 1, value_heads, dv)), jnp.full((2, 1, value_heads), 0.5)
+    pool = jnp.zeros((3, value_heads, dk, dv))
+    return kda_decode_pool(q, k, v, -jnp.ones((2, 1, value_heads, 1)), beta, pool, jnp.array([0, 2], jnp.int32))
+
+
+def _attention_pool_call(heads=H, kv_heads=H, dk=D, dv=D):
+    q, k, v = jnp.ones((1, 1, heads, dk)), jnp.ones((1, 1, kv_heads, dk)), jnp.ones((1, 1, kv_heads, dv))
+    pools = jnp.zeros((2, 16, kv_heads, dk)), jnp.zeros((2, 16, kv_heads, dv))
+    return attention_decode_pool(q, k, v, *pools, jnp.array([1], jnp.int32), jnp.array([3], jnp.int32))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: _kda_pool_call(dk=0), "^q must have head_dim of at least 1"),
+    (lambda: _kda_pool_call(heads=0, value_heads=0), "^q must have num_heads of at least 1"),
+    (lambda: _kda_pool_call(dv=0), "^v must have v_head_dim of at least 1"),
+    (lambda: _attention_pool_call(dk=0), "^q must have head_dim of at least 1"),
+    (lambda: _attention_pool_call(heads=0, kv_heads=0), "^q must have num_heads of at least 1"),
+    (lambda: _attention_pool_call(kv_heads=0), "^k must have num_kv_heads of at least 1"),
+    (lambda: _attention_pool_call(dv=0), "^v must have v_head_dim of at least 1"),
+])
+def test_decode_pools_reject_empty_heads_and_head_dims_by_name(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
