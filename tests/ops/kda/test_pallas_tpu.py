@@ -190,8 +190,10 @@ def test_declines_head_dims_above_128_and_chunks_above_128():
     assert "chunk_size" in impl.supports(invocation(*small_args()), KernelDeltaAttentionConfig(chunk_size=256))
 
 
-@pytest.mark.parametrize("dtype, per_head, chunk", [(jnp.bfloat16, False, 64), (jnp.float32, True, 128)])
-def test_lowers_to_mosaic(dtype, per_head, chunk):
+@pytest.mark.parametrize("dtype, per_head, chunk, delta_rule", [
+    (jnp.bfloat16, False, 64, True), (jnp.float32, True, 128, True), (jnp.bfloat16, False, 128, False),
+])
+def test_lowers_to_mosaic(dtype, per_head, chunk, delta_rule):
     """The kernel through Pallas' Mosaic lowering for a TPU (no TPU needed): an operation Mosaic lacks fails
     here, in CI."""
     batch, length, heads, dim = 1, 256, 4, 128
@@ -200,6 +202,30 @@ def test_lowers_to_mosaic(dtype, per_head, chunk):
         shape((batch, length, heads, 1 if per_head else dim), jnp.float32), shape((batch, length, heads), jnp.float32),
         shape((batch, heads, dim, dim), jnp.float32),
     ]
-    forward = jax.jit(lambda *x: kda_forward(*x, scale=0.1, chunk=chunk, interpret=False))
+    forward = jax.jit(lambda *x: kda_forward(*x, scale=0.1, chunk=chunk, delta_rule=delta_rule, interpret=False))
     text = forward.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert "kda_chunk_fwd_tpu" in text
+
+
+def test_gated_linear_attention_through_recurrent_attention():
+    """Without the delta rule (no solve): per-key and per-head gates, fewer key/value heads than query heads,
+    T = 70, an initial state, gradients (XLA chunked's); against XLA chunked."""
+    from hybrax.ops.kda.pallas_tpu import recurrent_register  # noqa: F401  (registers pallas_tpu:chunked)
+    from hybrax.ops.recurrent.api import RecurrentAttentionConfig, recurrent_attention
+
+    q, k, v = normal(60, (1, 70, 2, 16)), normal(61, (1, 70, 1, 16)), normal(62, (1, 70, 1, 32))
+    gk = jax.nn.log_sigmoid(normal(63, (1, 70, 2, 16)) + 2.0)
+    g_gamma, h0 = -0.05 * jnp.ones((2,)), normal(64, (1, 2, 16, 32), scale=0.5)
+
+    def run(platform):
+        cfg = RecurrentAttentionConfig(platform, "chunked", chunk_size=64)
+
+        def loss(q, k, v, gk, h0):
+            out, final = recurrent_attention(q, k, v, None, g_gamma, gk, None, h0, return_state=True, cfg=cfg)
+            return jnp.sum(out * jnp.cos(out)) + jnp.sum(final**2), (out, final)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(q, k, v, gk, h0)
+
+    (grads, outputs), (want_grads, want_outputs) = run("pallas_tpu"), run("xla")
+    assert_close(outputs, [to64(x) for x in want_outputs], TOLERANCE[jnp.float32], "outputs")
+    assert_close(grads, [to64(x) for x in want_grads], 1e-4, "gradients")

@@ -92,22 +92,26 @@ def _exact_diagonals(heads: list[HeadChunk]) -> list[tuple[jax.Array, jax.Array]
     return [with_exact_diagonal(*h.scores, h.q, h.k, h.g) for h in heads]
 
 
-def _finish_head(x: HeadChunk, v: jax.Array, state: jax.Array, *, dot, solve_dot) -> tuple[jax.Array, jax.Array]:
-    """(o [C, V], the state after the chunk) of one head."""
+def _finish_head(x: HeadChunk, v: jax.Array, state: jax.Array, *, dot, solve_dot, delta_rule: bool
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(o [C, V], the state after the chunk) of one head; without `delta_rule`, gated linear attention (no
+    solve: w = 0, u = v)."""
     aqk, akk = x.scores
     rows, cols = index_grid(*aqk.shape)
     aqk = jnp.where(rows >= cols, aqk, 0.0)
-    inverse = dot.operand(unit_lower_inverse(jnp.where(rows > cols, akk * x.beta, 0.0), solve_dot))
     from_start = jnp.exp(x.gates.from_start())
-    w = dot(inverse, x.k * x.beta * from_start)
-    u = dot(inverse, v * x.beta)
+    w, u = None, v
+    if delta_rule:
+        inverse = dot.operand(unit_lower_inverse(jnp.where(rows > cols, akk * x.beta, 0.0), solve_dot))
+        w = dot(inverse, x.k * x.beta * from_start)
+        u = dot(inverse, v * x.beta)
     kg = x.k * jnp.exp(x.gates.to_end())
     return state_step(state, w, u, x.q * from_start, aqk, kg, jnp.exp(x.gates.total()), dot)
 
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, final_ref, *refs,
-    group: int, scale: float, l2_normalize: bool, per_head: bool, dot: Dot, solve_dot: Dot,
+    group: int, scale: float, l2_normalize: bool, per_head: bool, dot: Dot, solve_dot: Dot, delta_rule: bool,
 ):
     states_ref, state_ref = refs if len(refs) == 2 else (None, *refs)  # states: each chunk's entering state
     chunk_index = pl.program_id(2)
@@ -128,7 +132,8 @@ def _forward_kernel(
         states_ref[...] = state_ref[...]
     for head, (x, head_scores) in enumerate(zip(heads, scores)):
         v = v_ref[:, _lanes(head)].astype(jnp.float32)
-        o, state = _finish_head(x._replace(scores=head_scores), v, state_ref[head], dot=dot, solve_dot=solve_dot)
+        o, state = _finish_head(x._replace(scores=head_scores), v, state_ref[head], dot=dot, solve_dot=solve_dot,
+                                delta_rule=delta_rule)
         state_ref[head] = state
         o_ref[:, _lanes(head)] = o.astype(o_ref.dtype)
 
@@ -205,7 +210,9 @@ def fold_vmap_into_batch(launch):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "l2_normalize", "chunk", "block_heads", "solve_passes", "with_states", "interpret"),
+    static_argnames=(
+        "scale", "l2_normalize", "chunk", "block_heads", "solve_passes", "with_states", "delta_rule", "interpret"
+    ),
 )
 def kda_forward(
     q: Float[Array, "B T H K"],
@@ -221,11 +228,13 @@ def kda_forward(
     block_heads: int | None = None,
     solve_passes: int | None = None,
     with_states: bool = False,
+    delta_rule: bool = True,
     interpret=None,
 ) -> tuple[jax.Array, ...]:
     """KDA forward on the TPU: o [B, T, HV, V] in v's dtype and the final state [B, HV, K, V] fp32; with
     `with_states` also the state entering each chunk [B, HV, NC, K, V] fp32 (NC = ceil(T / chunk): what
-    `xla_chunked.chunked_backward` takes).
+    `xla_chunked.chunked_backward` takes). Without `delta_rule`, gated linear attention (beta unused, no
+    solve): S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
 
     g is the activated log decay (<= 0), per key channel (Kd = K) or per head (Kd = 1); beta activated.
     q, k, v bf16 or fp32 with K, V <= 128; HV a multiple of H; chunk 16, 32, 64 or 128. `block_heads`: value
@@ -263,7 +272,7 @@ def kda_forward(
         _launch, chunk=chunk, block_heads=block_heads, group=group, per_head=per_head, with_states=with_states,
         kernel=functools.partial(
             _forward_kernel, group=group, scale=scale, l2_normalize=l2_normalize, per_head=per_head, dot=dot,
-            solve_dot=solve_dot,
+            solve_dot=solve_dot, delta_rule=delta_rule,
         ),
         interpret=interpret_mode() if interpret is None else interpret,
     )

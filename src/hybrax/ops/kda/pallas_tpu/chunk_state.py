@@ -25,14 +25,15 @@ def row_to_column(row: jax.Array) -> jax.Array:
 
 
 def state_step(
-    state: jax.Array, w: jax.Array, u: jax.Array, qg: jax.Array, aqk: jax.Array, kg: jax.Array,
+    state: jax.Array, w: jax.Array | None, u: jax.Array, qg: jax.Array, aqk: jax.Array, kg: jax.Array,
     decay: jax.Array, dot: Dot,
 ) -> tuple[jax.Array, jax.Array]:
     """(o [C, V], S' [K, V]) fp32 from the state S entering the chunk and the chunk's terms: w, qg, kg [C, K],
-    u [C, V], A_qk [C, C] (masked), decay [1, K] = exp(G_C). For bf16 inputs `dot` takes bf16 operands (the
-    state too, as flash-linear-attention's kernels), accumulating in fp32."""
+    u [C, V], A_qk [C, C] (masked), decay [1, K] = exp(G_C). w None: no delta rule (gated linear attention,
+    v_new = u = v). For bf16 inputs `dot` takes bf16 operands (the state too, as flash-linear-attention's
+    kernels), accumulating in fp32."""
     entering = dot.operand(state)
-    v_new = u - dot(w, entering)
+    v_new = u if w is None else u - dot(w, entering)
     corrections = dot.operand(v_new)
     o = dot(qg, entering) + dot(aqk, corrections)
     return o, row_to_column(decay) * state + dot(kg, corrections, "tn")
