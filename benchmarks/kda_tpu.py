@@ -15,6 +15,8 @@ their kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each s
           ours run XLA's chunked backward, on the states our forward kept);
   ablate  the forward kernel at its defaults with one piece at a time replaced by a stub of the same shapes
           (wrong results, for timing only): what each piece costs, as the machine has no profiler;
+  gla     gated linear attention (recurrent_attention with a per-key gate gk), forward, ours (the kernel without
+          the delta rule, opt-in) and XLA chunked, at each shape;
   decode  kda_decode_pool and kernel_delta_attention at T = 1 (B = 64, 16 heads of 128, fp32 states), ours
           and XLA's, per step of a jitted loop of DECODE_STEPS steps carrying the pool, with the state
           traffic in GB/s beside that of an elementwise pass over 512 MiB (read + write);
@@ -44,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import print_table  # noqa: E402
 
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
-from hybrax.ops.kda.pallas_tpu import pool_register, register  # noqa: E402,F401  (register the TPU kernels)
+from hybrax.ops.kda.pallas_tpu import pool_register, recurrent_register, register  # noqa: E402,F401
+from hybrax.ops.recurrent.api import RecurrentAttentionConfig, recurrent_attention  # noqa: E402
 from hybrax.ops.kda.pallas_tpu import chunk_fwd  # noqa: E402
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import kda_forward  # noqa: E402
 from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates  # noqa: E402
@@ -55,7 +58,7 @@ SWEEP = [  # (chunk, block_heads, solve_passes)
     *itertools.product((64, 128), (1, 4), (1, 3)),
 ]
 START = time.perf_counter()
-RESULTS: dict = {"device": None, "sweep": [], "api": [], "steep": [], "decode": [], "errors": []}
+RESULTS: dict = {"device": None, "sweep": [], "api": [], "steep": [], "gla": [], "decode": [], "errors": []}
 DECODE = (64, 16, 128)  # requests, heads, head dim
 DECODE_STEPS = 20
 
@@ -183,6 +186,27 @@ def api(shape, inputs, reference, steep: bool = False) -> None:
             save()
 
 
+def gla(shape, inputs) -> None:
+    q, k, v, g, _ = inputs
+    outputs = {}
+    for platform in ("pallas_tpu", "xla"):
+        cfg = RecurrentAttentionConfig(platform, "chunked", chunk_size=64)
+        forward = jax.jit(lambda q, k, v, g, cfg=cfg: recurrent_attention(q, k, v, None, None, g, cfg=cfg))
+
+        def run():
+            outputs[platform] = forward(q, k, v, g)
+            return dict(shape=str(shape), platform=platform, fwd_ms=round(time_ms(forward, q, k, v, g), 3))
+
+        row = guarded(f"gla {shape} {platform}", run)
+        if row:
+            RESULTS["gla"].append(row)
+    if len(outputs) == 2:
+        RESULTS["gla"][-2]["err_o_vs_xla"] = f"{rel(outputs['pallas_tpu'].astype(jnp.float32), outputs['xla']):.1e}"
+    for row in RESULTS["gla"][-len(outputs):]:
+        log(str(row))
+    save()
+
+
 def _square_zeros(q, k, gates, dot):
     return (jnp.zeros((q.shape[0], q.shape[0]), jnp.float32),) * 2
 
@@ -293,7 +317,7 @@ def run_tests() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tests", action="store_true", help="run tests/ops/kda/test_pallas_tpu.py first")
-    parser.add_argument("--parts", default="sweep,ablate,api,steep,decode")
+    parser.add_argument("--parts", default="sweep,ablate,api,steep,gla,decode")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of SHAPES")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no part starts")
     args = parser.parse_args()
@@ -316,6 +340,8 @@ def main() -> None:
             ablate(shape, inputs)
         if "api" in parts:
             api(shape, inputs, reference)
+        if "gla" in parts:
+            gla(shape, inputs)
         if "steep" in parts and index == 0:
             steep = make_inputs(1, *shape, steep=True)
             api(shape, steep, reference_fp32(steep, shape[3] ** -0.5), steep=True)
@@ -323,6 +349,7 @@ def main() -> None:
         decode()
     print_table(RESULTS["sweep"], ["shape", "variant", "fwd_ms", "err_o", "err_state", "first_call_s"])
     print_table(RESULTS.get("ablate", []), ["shape", "stubbed", "fwd_ms"])
+    print_table(RESULTS["gla"], ["shape", "platform", "fwd_ms", "err_o_vs_xla"])
     print_table(RESULTS["decode"], ["op", "platform", "us_per_step", "gbps", "pct_of_elementwise", "err_pool_vs_xla"])
     print_table(RESULTS["steep"], ["shape", "platform", "chunk", "fwd_ms", "err_o", "err_state"])
     print_table(RESULTS["api"], ["shape", "platform", "chunk", "fwd_ms", "fwd_bwd_ms", "err_o", "err_state"])
