@@ -76,7 +76,12 @@ class ShortConvolution(nnx.Module):
         """Training and full-sequence inference: x [B, T, D] (one sequence per row, packed ones by cu_seqlens with
         B = 1, or by segment_ids [B, T]: see `hybrax.nn.packing`)."""
         x = self._input(x, "[batch, seq_len, hidden_size]")
-        segments = packing(x, cu_seqlens, segment_ids).segments
+        return self.convolve(x, packing(x, cu_seqlens, segment_ids).segments)
+
+    def convolve(self, x: Float[Array, "batch seq_len dim"], segments: Int[Array, "batch seq_len"] | None
+                 ) -> Float[Array, "batch seq_len dim"]:
+        """The convolution of x [B, T, D] (unchecked), each token seeing only its own segment's tokens (None: one
+        sequence per row); `hybrax.nn.packing` makes the segments."""
         return causal_conv(x, self.weight[...], self._bias(), segments, self.activation)
 
     def empty_cache(self, num_slots: int) -> Float[Array, "num_slots dim width_minus_1"]:

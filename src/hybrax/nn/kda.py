@@ -33,7 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hybrax.core.validate import check_number
-from hybrax.nn.conv import ShortConvolution, causal_conv, conv_targets
+from hybrax.nn.conv import ShortConvolution, conv_targets
 from hybrax.nn.norm import GatedRMSNorm
 from hybrax.nn.packing import check_hidden, packing
 from hybrax.nn.weights import linear_targets, load_parameters
@@ -171,8 +171,7 @@ class KimiDeltaAttention(nnx.Module):
         pack = packing(x, cu_seqlens, segment_ids, max_segments=max_segments, with_cu_seqlens=True)
         q, k, v = self._projections(x)
         if self.use_short_conv:
-            q, k, v = (causal_conv(t, conv.weight[...], None if conv.bias is None else conv.bias[...],
-                                   pack.segments, "silu") for t, conv in zip((q, k, v), self._convs()))
+            q, k, v = (conv.convolve(t, pack.segments) for t, conv in zip((q, k, v), self._convs()))
         else:
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
         q, k, v = self._heads(q, k, v)
