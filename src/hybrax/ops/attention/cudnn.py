@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.core import Invocation, register
-from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
+from hybrax.ops.attention.base import OP_ID, AttentionConfig, AttentionProblem
 
 # jax.nn.dot_product_attention's cuDNN checks (jax._src.cudnn.fused_attention_stablehlo).
 HOPPER = (9, 0)

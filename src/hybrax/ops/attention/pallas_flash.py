@@ -21,7 +21,7 @@ from jaxtyping import Array, Float
 from hybrax.core import Invocation, cotangent, register
 from hybrax.core.config import is_power_of_two
 from hybrax.ops.attention import scores
-from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
+from hybrax.ops.attention.base import OP_ID, AttentionConfig, AttentionProblem
 from hybrax.ops.attention.mask import PADDING_SEGMENT
 from hybrax.ops.attention.pallas_flash_bwd import flash_backward_dkdv, flash_backward_dq
 from hybrax.ops.attention.pallas_flash_fwd import flash_forward

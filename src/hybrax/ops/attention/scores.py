@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from hybrax.ops.attention.api import AttentionProblem
+from hybrax.ops.attention.base import AttentionProblem
 from hybrax.ops.attention.mask import PADDING_SEGMENT
 
 

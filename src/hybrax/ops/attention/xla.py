@@ -12,7 +12,7 @@ from jaxtyping import Array, Bool, Float
 
 from hybrax.core import Invocation, register
 from hybrax.ops.attention import scores
-from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
+from hybrax.ops.attention.base import OP_ID, AttentionConfig, AttentionProblem
 
 
 def softmax_parts(

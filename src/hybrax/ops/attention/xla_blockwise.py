@@ -17,7 +17,7 @@ from jaxtyping import Array, Float
 
 from hybrax.core import Invocation, cotangent, register, vary_like
 from hybrax.ops.attention import scores
-from hybrax.ops.attention.api import OP_ID, AttentionConfig, AttentionProblem
+from hybrax.ops.attention.base import OP_ID, AttentionConfig, AttentionProblem
 
 
 def _slice(x: jax.Array | None, start: jax.Array, size: int, axis: int) -> jax.Array | None:
