@@ -76,17 +76,21 @@ def test_kernel_delta_attention_step(per_head):
     assert_close(final, ref_final, TOLERANCE[jnp.float32], "final state")
 
 
-def test_auto_takes_the_step_on_a_tpu_for_one_token_only():
+def test_the_step_is_opt_in_and_one_token_only():
+    """Not yet run on a TPU: `auto` never takes it (a TPU's T = 1 call stays on XLA's single step)."""
     kernel = api.KernelDeltaAttention()
 
-    def chosen(tokens, device="tpu"):
+    def invocation(tokens, platform=None):
         (q, k, v, g, beta), _ = case(0, 1, tokens, 1, 1, 16, 16, "activated")
-        inv = dataclasses.replace(kernel.invocation(kernel.prepare(q, k, v, jax.nn.sigmoid(beta), g)), device=device)
+        inv = kernel.invocation(kernel.prepare(q, k, v, jax.nn.sigmoid(beta), g), platform)
+        return dataclasses.replace(inv, device="tpu")
+
+    def chosen(inv):
         return [impl.name for impl in registry.supported("kernel_delta_attention", inv)]
 
-    assert chosen(1)[0] == "pallas_tpu:decode"
-    assert chosen(2)[0] == "pallas_tpu:chunked"
-    assert "pallas_tpu:decode" not in chosen(1, device="cpu")
+    assert chosen(invocation(1))[0] == "xla:single_step"
+    assert chosen(invocation(1, "pallas_tpu"))[0] == "pallas_tpu:decode"
+    assert chosen(invocation(2, "pallas_tpu")) == ["pallas_tpu:chunked"]
 
 
 def test_declines_what_it_does_not_cover():

@@ -1,6 +1,7 @@
 """KDA decode on the TPU: one Pallas Mosaic kernel stepping rows of a state pool, for `kda_decode_pool`
 (`pool_register`, the pool updated in place) and for `kernel_delta_attention` at T = 1 (registered here: the
-batch's initial states as the pool, slot b for request b, the new states a fresh output).
+batch's initial states as the pool, slot b for request b, the new states a fresh output). Both opt-in
+(platform="pallas_tpu") until the kernel has run and been timed on a TPU (`benchmarks/kda_tpu.py`).
 
 Decode is memory-bound: a step reads and writes each request's fp32 states [HV, K, V], and every other input
 is 1/V of that. The kernel walks the grid (request b, block of value heads) in order. Each step copies its
@@ -195,8 +196,9 @@ def _xla_single_step(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tu
     return lookup(OP_ID, "xla", "single_step")(problem, cfg)
 
 
-# Above XLA's single step (30), the T = 1 path elsewhere.
-@register(OP_ID, "pallas_tpu", "decode", priority=31, devices=("tpu",), supports=_supports_step,
+# Opt-in (platform="pallas_tpu") until it has run and been timed on a TPU; then devices=("tpu",), above XLA's
+# single step (30).
+@register(OP_ID, "pallas_tpu", "decode", priority=31, devices=(), supports=_supports_step,
           heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), gradient_of=_xla_single_step)
 def pallas_tpu_step(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     batch = problem.q.shape[0]

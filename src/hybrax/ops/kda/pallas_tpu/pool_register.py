@@ -1,7 +1,8 @@
 """`kda_decode_pool`'s "pallas_tpu:fused_recurrent" implementation: the TPU decode kernel (`decode`) on the
 serving pool, updated in place; the gate and beta activated by XLA first (a fusion over 1/V of the state's
 bytes). Declined (`auto` then takes XLA's gather/scatter): token_slots (a state per token), the V-first
-pool, K or V above 128. Gradients: XLA's implementation's.
+pool, K or V above 128. Gradients: XLA's implementation's. Opt-in (platform="pallas_tpu") until it has run and
+been timed on a TPU.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _xla_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple
     return lookup(OP_ID, "xla", "gather_scatter")(problem, cfg)
 
 
-@register(OP_ID, "pallas_tpu", "fused_recurrent", priority=25, devices=("tpu",), supports=_supports,
+@register(OP_ID, "pallas_tpu", "fused_recurrent", priority=25, devices=(), supports=_supports,
           heuristic_cfg=lambda inv: KdaDecodePoolConfig(), gradient_of=_xla_pool_decode)
 def pallas_tpu_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, jax.Array]:
     decay = problem.g
