@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from hybrax.core import register, vary_like
 from hybrax.ops.recurrent import varlen
-from hybrax.ops.recurrent.api import OP_ID, RecurrentAttentionConfig
+from hybrax.ops.recurrent.base import OP_ID, RecurrentAttentionConfig
 from hybrax.ops.recurrent.engine import decay_state, forward, vjp_rules
 
 CHUNK_SIZES = (16, 32, 64, 128)
