@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import print_table  # noqa: E402
 
 from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E402
-from hybrax.ops.kda.pallas_tpu import pool_register, recurrent_register, register  # noqa: E402,F401
+import hybrax.serving  # noqa: E402,F401  (registers the TPU pool step)
 from hybrax.ops.recurrent.api import RecurrentAttentionConfig, recurrent_attention  # noqa: E402
 from hybrax.ops.kda.pallas_tpu import chunk_fwd  # noqa: E402
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import kda_forward  # noqa: E402

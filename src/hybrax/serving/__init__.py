@@ -6,6 +6,7 @@ from hybrax.serving.attention_prefill import attention_prefill_pool
 from hybrax.serving.kda_pool import KdaDecodePool, KdaDecodePoolConfig, kda_decode_pool
 from hybrax.serving.prefill import kda_prefill_pool
 from hybrax.serving.short_conv import short_conv_decode, short_conv_prefill
+from hybrax.ops.kda.pallas_tpu import pool_register  # noqa: E402,F401  (registers the TPU pool step)
 
 __all__ = [
     "AttentionDecodePool", "AttentionDecodePoolConfig", "KdaDecodePool", "KdaDecodePoolConfig",

@@ -210,7 +210,6 @@ def test_lowers_to_mosaic(dtype, per_head, chunk, delta_rule):
 def test_gated_linear_attention_through_recurrent_attention():
     """Without the delta rule (no solve): per-key and per-head gates, fewer key/value heads than query heads,
     T = 70, an initial state, gradients (XLA chunked's); against XLA chunked."""
-    from hybrax.ops.kda.pallas_tpu import recurrent_register  # noqa: F401  (registers pallas_tpu:chunked)
     from hybrax.ops.recurrent.api import RecurrentAttentionConfig, recurrent_attention
 
     q, k, v = normal(60, (1, 70, 2, 16)), normal(61, (1, 70, 1, 16)), normal(62, (1, 70, 1, 32))

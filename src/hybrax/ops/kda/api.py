@@ -257,3 +257,4 @@ from hybrax.ops.kda import xla_chunked, xla_scan  # noqa: E402,F401
 from hybrax.ops.kda import pallas_chunked  # noqa: E402,F401
 from hybrax.ops.kda import pallas_decode  # noqa: E402,F401
 from hybrax.ops.kda import cuda_decode  # noqa: E402,F401
+from hybrax.ops.kda.pallas_tpu import decode, register  # noqa: E402,F401

@@ -9,7 +9,7 @@ from __future__ import annotations
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import default_executor
-from hybrax.ops.recurrent import pallas_chunked, xla_chunked, xla_scan  # noqa: F401  (they register)
+from hybrax.ops.recurrent import pallas_chunked, pallas_tpu_chunked, xla_chunked, xla_scan  # noqa: F401  (they register)
 from hybrax.ops.recurrent.base import OP_ID, RecurrentAttention, RecurrentAttentionConfig, RecurrentProblem
 
 __all__ = ["OP_ID", "RecurrentAttention", "RecurrentAttentionConfig", "RecurrentProblem", "recurrent_attention"]

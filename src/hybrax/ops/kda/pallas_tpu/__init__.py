@@ -8,6 +8,6 @@
     register      the "pallas_tpu:chunked" implementation of kernel_delta_attention
     decode        the decode kernel on rows of a state pool, and "pallas_tpu:decode" (kernel_delta_attention, T = 1)
     pool_register the "pallas_tpu:fused_recurrent" implementation of kda_decode_pool
-    recurrent_register  the "pallas_tpu:chunked" implementation of recurrent_attention (gated linear
-                  attention: the forward kernel without the delta rule; opt-in until timed)
+
+Gated linear attention runs the same forward kernel without the delta rule: `ops/recurrent/pallas_tpu_chunked.py`.
 """

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from hybrax.core import Invocation, lookup, register
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, kda_forward
 from hybrax.ops.kda.pallas_tpu.register import CHUNKS
-from hybrax.ops.recurrent.api import OP_ID, RecurrentAttentionConfig, RecurrentProblem
+from hybrax.ops.recurrent.base import OP_ID, RecurrentAttentionConfig, RecurrentProblem
 from hybrax.ops.recurrent.engine import expand_heads, key_log_decay
 
 
