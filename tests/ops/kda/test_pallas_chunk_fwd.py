@@ -16,7 +16,7 @@ import pytest
 from hybrax.core import lookup
 from hybrax.ops.kda import api, reference
 from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunked)
-from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
+from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum, gate_gradient
 from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk
 from hybrax.ops.kda.pallas_chunk_intra import chunk_intra, unit_lower_inverse
 from hybrax.ops.kda.pallas_chunk_state import (
@@ -78,9 +78,9 @@ def test_grouped_value_heads_and_odd_head_dims():
 
 
 def test_gates_of_minus_1000():
-    # After a -1000 gate the fp32 cumulative gate sits near -1000, where its rounding step is 6e-5:
-    # decays between later tokens carry that absolute error (as in every chunked cumsum scheme).
-    check(30, 1, 128, 2, 2, 16, 32, hard_gates=True, with_state=True, tol=3e-4)
+    # Steep chunks sum every decay from the per-token gates (`pallas_chunk_gates`), so no decay carries the
+    # rounding of a cumulative gate near -1000 (3e-4 before issue 43; tests/ops/kda/test_extreme_gates.py).
+    check(30, 1, 128, 2, 2, 16, 32, hard_gates=True, with_state=True)
 
 
 def test_fast_decay_below_steep():
@@ -269,8 +269,8 @@ def test_wy_recompute_matches_stage_1(dtype):
     q, k, v, g, beta = inputs(190, 1, 128, 2, 4, 64, 128, dtype, fast_gates=True)
     q, k = prepare_qk(q, k, 0.125, True)
     gates = chunk_local_cumsum(g, chunk=64, interpret=True)
-    (inverse, _), wy = chunk_intra(q, k, v, gates, beta, interpret=True)
-    assert_close(chunk_wy(q, k, v, gates, beta, inverse, interpret=True), wy, 1e-6, "w, u, kg, qg, decay")
+    (inverse, _), wy = chunk_intra(q, k, v, gates, g, beta, interpret=True)
+    assert_close(chunk_wy(q, k, v, gates, g, beta, inverse, interpret=True), wy, 1e-6, "w, u, kg, qg, decay")
 
 
 @pytest.mark.parametrize("gates", ["fast", "hard"])
@@ -282,8 +282,8 @@ def test_stage_1_normalizes_inside(dtype, tolerance, gates):
     q, k, v, g, beta = inputs(200, 1, 128, 2, 4, 64, 32, dtype, fast_gates=gates == "fast", hard_gates=gates == "hard")
     q = q * 7.0  # norms far from 1
     gates = chunk_local_cumsum(g, chunk=64, interpret=True)
-    fused = chunk_intra(q, k, v, gates, beta, scale=0.125, l2_normalize=True, interpret=True)
-    expected = chunk_intra(*prepare_qk(q, k, 0.125, True), v, gates, beta, interpret=True)
+    fused = chunk_intra(q, k, v, gates, g, beta, scale=0.125, l2_normalize=True, interpret=True)
+    expected = chunk_intra(*prepare_qk(q, k, 0.125, True), v, gates, g, beta, interpret=True)
     assert_close(fused, expected, tolerance, "T, A_qk, w, u, kg, qg, decay")
 
 
@@ -319,12 +319,25 @@ def test_unit_lower_inverse(n, kind):
     assert_close(got, np.linalg.inv(np.eye(n) + lower), 1e-6, "(I + L)^-1")
 
 
-@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_chunk_local_cumsum(chunk, reverse):
-    # Against numpy within each chunk: prefix sums, or with `reverse` the suffix sums (the backward's dg).
+def test_chunk_local_cumsum(chunk):
+    # Against numpy within each chunk: prefix sums.
     g = normal(230, (2, 128, 3, 32), scale=3.0)
-    expected = np.asarray(g, np.float64).reshape(2, 128 // chunk, chunk, 3, 32)
-    expected = np.flip(np.cumsum(np.flip(expected, 2), 2), 2) if reverse else np.cumsum(expected, 2)
-    got = chunk_local_cumsum(g, chunk=chunk, reverse=reverse, interpret=True)
+    expected = np.cumsum(np.asarray(g, np.float64).reshape(2, 128 // chunk, chunk, 3, 32), 2)
+    got = chunk_local_cumsum(g, chunk=chunk, interpret=True)
     assert_close(got, expected.reshape(g.shape), 1e-6, "G")
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_gate_gradient(chunk):
+    # The backward's dg: suffix sums of dG within each chunk, and 0 at gates whose decay underflows (below -104;
+    # only steep chunks hold them: the first here, a gate of -200 in row 3 and of -inf in row 40 % chunk).
+    d_cumulative = normal(231, (2, 128, 3, 32), scale=3.0)
+    g = -jax.nn.softplus(normal(232, (2, 128, 3, 32)))
+    g = g.at[:, 3, 0].set(-200.0).at[:, 40 % chunk, 1].set(-jnp.inf)
+    expected = np.asarray(d_cumulative, np.float64).reshape(2, 128 // chunk, chunk, 3, 32)
+    expected = np.flip(np.cumsum(np.flip(expected, 2), 2), 2).reshape(g.shape)
+    expected = np.where(np.asarray(g) < -104, 0.0, expected)
+    cumulative = chunk_local_cumsum(g, chunk=chunk, interpret=True)
+    got = gate_gradient(d_cumulative, cumulative, g, chunk=chunk, interpret=True)
+    assert_close(got, expected, 1e-6, "dg")

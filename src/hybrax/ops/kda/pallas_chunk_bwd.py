@@ -5,7 +5,7 @@
     stage 2'   pallas_chunk_state_bwd   the state pass in reverse: dh per chunk, dv_new, d initial state
     stage 1'   pallas_chunk_grad        the chunk-local gradients, dA_qk and dA_kk (per chunk)
     stage 1''  pallas_chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)
-    stage 0'   pallas_chunk_cumsum      dg from dG, a suffix sum within each chunk
+    stage 0'   pallas_chunk_cumsum      dg from dG, a suffix sum within each chunk (`gate_gradient`)
 
 then (XLA) the sums over the value heads of a key head, the L2 norm's and the scale's backward.
 """
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
+from hybrax.ops.kda.pallas_chunk_cumsum import gate_gradient
 from hybrax.ops.kda.pallas_chunk_fwd import (
     Packing, Solved, forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to,
 )
@@ -77,13 +77,13 @@ def kda_chunk_bwd(
     if segments is not None:  # an empty sequence's final state is its initial state
         d_initial = jnp.where(has_chunks(segments, d_final.shape[0]), d_initial, d_final)
     dq, dk_, dv_, dbeta, dg, daqk, dakk = chunk_grad(
-        qn, kn, x.v, s.g, x.beta, s.inverse, s.h, dh, s.v_new, dv_new, d_out, chunks, chunk=chunk,
+        qn, kn, x.v, s.g, x.g, x.beta, s.inverse, s.h, dh, s.v_new, dv_new, d_out, chunks, chunk=chunk,
         interpret=interpret,
     )
     dq_intra, dk_intra, dg_intra, dbeta_intra = chunk_intra_bwd(
-        qn, kn, s.g, x.beta, daqk, dakk, chunks, chunk=chunk, interpret=interpret
+        qn, kn, s.g, x.g, x.beta, daqk, dakk, chunks, chunk=chunk, interpret=interpret
     )
-    dg = chunk_local_cumsum(dg + dg_intra, chunk=chunk, reverse=True, interpret=interpret)
+    dg = gate_gradient(dg + dg_intra, s.g, x.g, chunks, chunk=chunk, interpret=interpret)
     if not delta_rule:
         dv_ = dv_new
 

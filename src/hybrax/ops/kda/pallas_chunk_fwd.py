@@ -130,9 +130,9 @@ def solve_chunks(
     only recomputes the WY form."""
     g = chunk_local_cumsum(x.g, packed, chunk=chunk, interpret=interpret)
     if solved is None:
-        scores, wy = chunk_intra(q, k, x.v, g, x.beta, packed, chunk=chunk, interpret=interpret)
+        scores, wy = chunk_intra(q, k, x.v, g, x.g, x.beta, packed, chunk=chunk, interpret=interpret)
         return g, Solved(*scores), wy
-    return g, solved, chunk_wy(q, k, x.v, g, x.beta, solved.inverse, packed, chunk=chunk, interpret=interpret)
+    return g, solved, chunk_wy(q, k, x.v, g, x.g, x.beta, solved.inverse, packed, chunk=chunk, interpret=interpret)
 
 
 def without_delta_rule(w: jax.Array, v: jax.Array, packed: PackedChunks | None, chunk: int
@@ -201,9 +201,9 @@ def kda_chunk_fwd_solved(
     """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and T and A_qk
     (padded), which the backward takes instead of recomputing them (T None without `with_inverse`).
 
-    g is the per-channel log decay (<= 0), beta the update strength (already through its
-    sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With `segments` the
-    batch of one holds packed sequences, each from a chunk boundary (`xla_chunked.packed_layout`), and
+    g is the per-channel log decay (any <= 0, -inf a hard reset: `pallas_chunk_gates`), beta the update
+    strength (already through its sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With
+    `segments` the batch of one holds packed sequences, each from a chunk boundary (`xla_chunked.packed_layout`), and
     initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V]. With `packed` too,
     the inputs are the packed rows themselves (the first kernels read each chunk's rows in place) and o
     and T, A_qk come in the padded layout. Without `delta_rule`, gated linear attention (`without_delta_rule`;
@@ -214,7 +214,7 @@ def kda_chunk_fwd_solved(
     gates = chunk_local_cumsum(x.g, packed, chunk=chunk, interpret=interpret)
     length = q.shape[1] if packed is None else gates.shape[1]
     scores, (w, u, kg, qg, decay) = chunk_intra(  # q, k normalized inside: no pass writes copies first
-        x.q, x.k, x.v, gates, x.beta, packed, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
+        x.q, x.k, x.v, gates, x.g, x.beta, packed, scale=scale, l2_normalize=l2_normalize, chunk=chunk,
         with_inverse=with_inverse, interpret=interpret,
     )
     solved = Solved(*scores)

@@ -14,7 +14,9 @@ With dh' and dv_new from the reverse state pass, its cotangents are
     dA_kk = -T^T dT T^T (j < i)
 
 and through the elementwise maps to q, k, v, beta and G (exp(G_last) ties every row's G_last to the
-last row). The terms through A_kk and A_qk (pairwise decays) are left to `pallas_chunk_intra_bwd`.
+last row). The terms through A_kk and A_qk (pairwise decays) are left to `pallas_chunk_intra_bwd`. A steep
+chunk takes exp(G), exp(G_last - G) and exp(G_last) from the per-token gates (`pallas_chunk_gates`), the same
+decays summed exactly, so the same cotangents hold.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from hybrax.ops.kda.pallas_chunk_gates import EXACT_BLOCK_K, CumulativeGates, ExactGates, steep_chunk
 from hybrax.ops.kda.pallas_tiles import (
     PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_state_spec, chunk_windows, index_grid, packed_chunk_specs,
     pipeline_stages, split_packed, token_column_spec, token_rows_spec,
@@ -35,18 +38,21 @@ from hybrax.ops.pallas_shared import dot_settings, mm_t, mm_tn, pallas_call, sol
 
 
 def _grad_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, h_ref, dh_ref, v_new_ref, dv_new_ref, d_out_ref, *refs,
-    packed: bool, block_k: int, block_v: int, compute_dtype, precision, fp32_precision,
+    q_ref, k_ref, v_ref, g_ref, raw_ref, beta_ref, inverse_ref, h_ref, dh_ref, v_new_ref, dv_new_ref, d_out_ref,
+    *refs, packed: bool, block_k: int, block_v: int, compute_dtype, precision, fp32_precision,
 ):
     packed_refs, (dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, daqk_ref, dakk_ref) = split_packed(refs, packed)
-    q_ref, k_ref, v_ref, beta_ref = chunk_windows((q_ref, k_ref, v_ref, beta_ref), packed_refs, g_ref.shape[0])
+    q_ref, k_ref, v_ref, raw_ref, beta_ref = chunk_windows(
+        (q_ref, k_ref, v_ref, raw_ref, beta_ref), packed_refs, g_ref.shape[0]
+    )
     chunk, dk = q_ref.shape
     dv = v_ref.shape[1]
+    steep = steep_chunk(g_ref)
     betas = beta_ref[...].astype(jnp.float32)[:, None]
     inverse = inverse_ref[...].astype(jnp.float32)
     rows, cols = index_grid(chunk)
     value_slice = lambda j: pl.ds(pl.multiple_of(j * block_v, block_v), block_v)  # noqa: E731
-    key_slice = lambda i: pl.ds(pl.multiple_of(i * block_k, block_k), block_k)  # noqa: E731
+    key_slice = lambda i, width: pl.ds(pl.multiple_of(i * width, width), width)  # noqa: E731
 
     def value_pass(j, sums):
         """dA_qk, the u-half of dT, dv and beta's value term, from one slice of V."""
@@ -62,10 +68,11 @@ def _grad_kernel(
             dbeta + jnp.sum(dx_v * values, axis=1),
         )
 
-    def key_pass(i, sums):
-        """dqg, dkg, dw over all of V for one slice of K, then that slice's dq, dk, dG."""
+    def key_pass(gates, width, i, sums):
+        """dqg, dkg, dw over all of V for one slice of K (`width` columns), then that slice's dq, dk, dG, with
+        the decays of `gates` (`pallas_chunk_gates.CumulativeGates` or `ExactGates`)."""
         d_inverse, dbeta = sums
-        slice_k = key_slice(i)
+        slice_k = key_slice(i, width)
 
         def state_pass(j, partial):
             dqg, dkg, dw, d_decay = partial
@@ -78,21 +85,19 @@ def _grad_kernel(
                 d_decay + jnp.sum(dh.astype(jnp.float32) * h.astype(jnp.float32), axis=1),
             )
 
-        zeros = jnp.zeros((chunk, block_k), jnp.float32)
+        zeros = jnp.zeros((chunk, width), jnp.float32)
         dqg, dkg, dw, d_decay = lax.fori_loop(
-            0, dv // block_v, state_pass, (zeros, zeros, zeros, jnp.zeros((block_k,), jnp.float32))
+            0, dv // block_v, state_pass, (zeros, zeros, zeros, jnp.zeros((width,), jnp.float32))
         )
-        gates = g_ref[:, slice_k]
-        last = g_ref[chunk - 1, slice_k]
-        growth, to_end = jnp.exp(gates), jnp.exp(last[None, :] - gates)
+        growth, to_end, total = gates.decays(gates.read(slice_k), slice_k)
         keys = k_ref[:, slice_k].astype(jnp.float32)
         x_k = keys * betas * growth
         dx_k = mm_tn(inverse, dw, jnp.float32, fp32_precision)
         dq_ref[:, slice_k] = dqg * growth
         dk_ref[:, slice_k] = dkg * to_end + dx_k * betas * growth
         kg_term = dkg * keys * to_end
-        from_last = jnp.sum(kg_term, axis=0) + d_decay * jnp.exp(last)
-        last_row = lax.broadcasted_iota(jnp.int32, gates.shape, 0) == chunk - 1
+        from_last = jnp.sum(kg_term, axis=0) + d_decay * total
+        last_row = lax.broadcasted_iota(jnp.int32, growth.shape, 0) == chunk - 1
         queries = q_ref[:, slice_k].astype(jnp.float32)
         dg_ref[:, slice_k] = (
             dqg * queries * growth - kg_term + dx_k * x_k + jnp.where(last_row, from_last[None, :], 0.0)
@@ -107,7 +112,14 @@ def _grad_kernel(
         0, dv // block_v, value_pass, (square, square, jnp.zeros((chunk,), jnp.float32))
     )
     daqk_ref[...] = jnp.where(rows >= cols, daqk, 0.0)
-    d_inverse, dbeta = lax.fori_loop(0, dk // block_k, key_pass, (d_inverse, dbeta))
+    key_passes = lambda gates, width: lax.fori_loop(  # noqa: E731
+        0, dk // width, functools.partial(key_pass, gates, width), (d_inverse, dbeta)
+    )
+    d_inverse, dbeta = lax.cond(
+        steep,
+        lambda: key_passes(ExactGates(raw_ref), min(block_k, EXACT_BLOCK_K)),
+        lambda: key_passes(CumulativeGates(g_ref), block_k),
+    )
     d_inverse = jnp.where(rows >= cols, d_inverse, 0.0)
     dakk = -mm_tn(inverse, mm_t(d_inverse, inverse, jnp.float32, fp32_precision), jnp.float32, fp32_precision)
     dakk_ref[...] = jnp.where(rows > cols, dakk, 0.0)
@@ -116,18 +128,20 @@ def _grad_kernel(
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "block_v", "num_warps", "num_stages", "interpret"))
 def chunk_grad(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, inverse: jax.Array, h: jax.Array,
-    dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array, packed: PackedChunks | None = None, *,
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, raw_g: jax.Array, beta: jax.Array, inverse: jax.Array,
+    h: jax.Array, dh: jax.Array, v_new: jax.Array, dv_new: jax.Array, d_out: jax.Array,
+    packed: PackedChunks | None = None, *,
     chunk: int = 64,
     block_k: int = 32, block_v: int = 64, num_warps: int = 4, num_stages: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """q, k [B, T, H, K] (prepared); v, v_new, dv_new, dO [B, T, HV, V]; g [B, T, HV, K] (G, fp32);
-    beta [B, T, HV]; T [B, T, HV, chunk]; h, dh [B, NT, HV, K, V].
+    """q, k [B, T, H, K] (prepared); v, v_new, dv_new, dO [B, T, HV, V]; g [B, T, HV, K] (G, fp32); raw_g
+    [B, T, HV, K] the per-token gates (stage 0's input, fp32: what steep chunks read); beta [B, T, HV];
+    T [B, T, HV, chunk]; h, dh [B, NT, HV, K, V].
 
     Returns dq, dk [B, T, HV, K] fp32 (per value head), dv [B, T, HV, V] (v's dtype), dbeta [B, T, HV],
-    dG [B, T, HV, K], dA_qk, dA_kk [B, T, HV, chunk] (fp32; masked as the forward's). With `packed`, q, k, v
-    and beta are packed rows read in place (`chunk_intra`); the rest and the results are padded.
+    dG [B, T, HV, K], dA_qk, dA_kk [B, T, HV, chunk] (fp32; masked as the forward's). With `packed`, q, k, v,
+    raw_g and beta are packed rows read in place (`chunk_intra`); the rest and the results are padded.
     """
     batch, length, heads, dk = g.shape[0], g.shape[1], q.shape[2], q.shape[3]
     dv, value_heads = v.shape[3], v.shape[2]
@@ -152,7 +166,7 @@ def chunk_grad(
         kernel,
         grid=(value_heads, length // chunk, batch),
         in_specs=[
-            tokens_spec(dk, group), tokens_spec(dk, group), tokens_spec(dv), rows_spec(dk),
+            tokens_spec(dk, group), tokens_spec(dk, group), tokens_spec(dv), rows_spec(dk), tokens_spec(dk),
             token_column_spec(chunk, packed_length), rows_spec(chunk), state_spec, state_spec, rows_spec(dv),
             rows_spec(dv), rows_spec(dv), *packed_chunk_specs(packed, length // chunk),
         ],
@@ -173,4 +187,4 @@ def chunk_grad(
         ),
         interpret=interpret,
         name="kda_chunk_grad",
-    )(q, k, v, g, beta, inverse, h, dh, v_new, dv_new, d_out, *(packed or ()))
+    )(q, k, v, g, raw_g, beta, inverse, h, dh, v_new, dv_new, d_out, *(packed or ()))

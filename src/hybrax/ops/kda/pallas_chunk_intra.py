@@ -14,10 +14,11 @@ row i in a (first row r) and column j in sub-chunk b (first row s), exp(G_i - G_
 exp(G_i - G_r) <= 1 (rows of a, zeros elsewhere), a per-channel link exp(G_r - G_s) <= 1 (b < a; 1 for
 b = a; columns of later sub-chunks, above the diagonal, get zeros) and exp(G_s - G_j) >= 1, bounded by
 b's own decay. Two [C, BK] exps per K slice (each row against its own sub-chunk's first row) serve
-every sub-chunk (before 2026-12-04, fifth session: two per sub-chunk). A chunk where some sub-chunk
-decays by more than exp(STEEP) in some channel (gates of -1000) takes the whole tile column by column
-from exp(min(G_i - G_j, 0)) instead, so the kernel never overflows and very negative gates underflow
-to exactly 0.
+every sub-chunk (before 2026-12-04, fifth session: two per sub-chunk). A steep chunk (some sub-chunk decays
+by more than exp(STEEP) in some channel: gates of -1000, -1e30, -inf) takes the whole tile column by column
+instead, and its WY form too, from the per-token gates, each decay a sum of only the gates between its two
+positions (`pallas_chunk_gates`): the kernel never overflows, never cancels two large cumulative gates, and
+very negative gates underflow to exactly 0.
 Three quarters of each dot's left operand is zeros: on the H200 the tensor cores absorb that, and this
 took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
 (1, 8192, 32, 128) bf16 (BENCHMARKS.md). [16, C] row blocks stacked into the tile afterwards do a
@@ -37,17 +38,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_wy import wy_specs, write_wy
+from hybrax.ops.kda.pallas_chunk_gates import EXACT_BLOCK_K, STEEP, pair_exponents, steep_chunk
+from hybrax.ops.kda.pallas_chunk_wy import write_wy_either, wy_specs
 from hybrax.ops.kda.pallas_tiles import (
     SUB, PackedChunks, chunk_rows_spec, chunk_windows, index_grid, packed_chunk_specs, pipeline_stages, split_packed,
     token_column_spec, token_rows_spec,
 )
 from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, pallas_call, solve_precision
 from hybrax.ops.kda.xla_scan import inverse_l2_norm
-
-# The largest decay within one sub-chunk (G_r - G_last in any channel) that the diagonal blocks take
-# as a matmul: exp(60) = 1e26 keeps the factors and their products far from fp32's limits (3e38).
-STEEP = 60.0
 
 
 def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
@@ -74,14 +72,6 @@ def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
         inverse = first
         size *= growth
     return inverse
-
-
-def steep_chunk(g_ref) -> jax.Array:
-    """Whether some sub-chunk of the chunk decays by more than exp(STEEP) in some channel. All rows are
-    read before the one reduction: ptxas moves no load across a reduction's barriers, and a reduction per
-    sub-chunk between the reads put four memory round trips in series at every program's start."""
-    rows = [(g_ref[a * SUB, :], g_ref[a * SUB + SUB - 1, :]) for a in range(g_ref.shape[0] // SUB)]
-    return jnp.max(functools.reduce(jnp.maximum, [first - last for first, last in rows])) > STEEP
 
 
 class SubChunkDecay(NamedTuple):
@@ -113,28 +103,30 @@ def sub_chunk_decay(g_ref, gates: jax.Array, slice_k) -> SubChunkDecay:
     return SubChunkDecay(sub_chunk, down, up, starts)
 
 
-def _exact_scores(q_ref, k_ref, g_ref, *, block_k: int) -> tuple[jax.Array, jax.Array]:
-    """Unscaled A_kk and A_qk [C, C] column by column from exp(min(G_i - G_j, 0)): no factor above 1
-    (the min only touches entries above the diagonal, which callers drop). K in slices of `block_k`: whole
-    [C, K] fp32 tiles of q, k and G would hold registers that every program pays for (at sm_90, this
-    rarely taken branch alone spilled more than half of the kernel's spill bytes)."""
+def _exact_scores(q_ref, k_ref, raw_ref, *, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """Unscaled A_kk and A_qk [C, C] of a steep chunk, column by column from the last, each column's decays
+    exp(sum_{j < t <= i} g_t) summed from the per-token gates (`pair_exponents`: no factor above 1; 1 on the
+    diagonal and above it, where callers drop the entries). K in slices of `block_k`: whole [C, K] fp32 tiles of
+    q, k and the gates would hold registers that every program pays for (at sm_90, this rarely taken branch
+    alone spilled more than half of the kernel's spill bytes; `pallas_chunk_gates.EXACT_BLOCK_K`)."""
     chunk, dk = q_ref.shape
     _, cols = index_grid(chunk)
 
     def slice_scores(index, scores):
         slice_k = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
         keys, queries = k_ref[:, slice_k].astype(jnp.float32), q_ref[:, slice_k].astype(jnp.float32)
-        gates = g_ref[:, slice_k]
 
-        def column(j, scores):
-            akk, aqk = scores
-            decay = jnp.exp(jnp.minimum(gates - g_ref[j, slice_k][None, :], 0.0))
-            decayed = k_ref[j, slice_k].astype(jnp.float32)[None, :] * decay
+        def column(step, carry):
+            akk, aqk, exponents = carry
+            j = chunk - 1 - step
+            exponents = pair_exponents(exponents, raw_ref, j, slice_k)
+            decayed = k_ref[j, slice_k].astype(jnp.float32)[None, :] * jnp.exp(exponents)
             akk = akk + jnp.where(cols == j, jnp.sum(keys * decayed, axis=1)[:, None], 0.0)
             aqk = aqk + jnp.where(cols == j, jnp.sum(queries * decayed, axis=1)[:, None], 0.0)
-            return akk, aqk
+            return akk, aqk, exponents
 
-        return lax.fori_loop(0, chunk, column, scores)
+        akk, aqk, _ = lax.fori_loop(0, chunk, column, (*scores, jnp.zeros(keys.shape, jnp.float32)))
+        return akk, aqk
 
     zeros = jnp.zeros((chunk, chunk), jnp.float32)
     return lax.fori_loop(0, dk // block_k, slice_scores, (zeros, zeros))
@@ -184,19 +176,19 @@ def row_factors(q_ref, k_ref, scale: float, l2_normalize: bool, block_k: int) ->
 
 
 def _intra_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, with_inverse: bool, packed: bool,
+    q_ref, k_ref, v_ref, g_ref, raw_ref, beta_ref, *refs, with_inverse: bool, packed: bool,
     scale: float, l2_normalize: bool, block_k: int, block_v: int, precision, compute_dtype, wy_precision,
 ):
     packed_refs, out_refs = split_packed(refs, packed)
     inverse_ref, aqk_ref, *wy_refs = out_refs if with_inverse else (None, *out_refs)
     chunk = g_ref.shape[0]
-    q_ref, k_ref, v_ref, beta_ref = chunk_windows((q_ref, k_ref, v_ref, beta_ref), packed_refs, chunk)
+    q_ref, k_ref, v_ref, raw_ref, beta_ref = chunk_windows((q_ref, k_ref, v_ref, raw_ref, beta_ref), packed_refs, chunk)
     rows, cols = index_grid(chunk)
     steep = steep_chunk(g_ref)
     betas = beta_ref[...].astype(jnp.float32)[:, None]  # read early: a plain load after barriers waits
     akk, aqk = lax.cond(
         steep,
-        lambda: _exact_scores(q_ref, k_ref, g_ref, block_k=block_k),
+        lambda: _exact_scores(q_ref, k_ref, raw_ref, block_k=min(block_k, EXACT_BLOCK_K)),
         lambda: _factored_scores(q_ref, k_ref, g_ref, block_k=block_k, precision=precision),
     )
     # q and k enter raw: the scores of the normalized, scaled rows are the raw scores with each row and
@@ -209,8 +201,8 @@ def _intra_kernel(
     inverse = unit_lower_inverse(jnp.where(rows > cols, akk * (betas * key_rows) * key_cols, 0.0), precision)
     if with_inverse:
         inverse_ref[...] = inverse.astype(inverse_ref.dtype)
-    write_wy(
-        inverse, betas, q_ref, k_ref, v_ref, g_ref, *wy_refs,
+    write_wy_either(
+        steep, g_ref, raw_ref, inverse, betas, q_ref, k_ref, v_ref, *wy_refs,
         query_rows=query_norms[:, None], key_rows=key_rows,
         block_k=block_k, block_v=block_v, compute_dtype=compute_dtype, precision=wy_precision,
     )
@@ -224,19 +216,21 @@ def _intra_kernel(
     ),
 )
 def chunk_intra(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, packed: PackedChunks | None = None, *,
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, raw_g: jax.Array, beta: jax.Array,
+    packed: PackedChunks | None = None, *,
     scale: float = 1.0, l2_normalize: bool = False, chunk: int = 64, with_inverse: bool = True, block_k: int = 32,
     block_v: int = 64, num_warps: int = 4, num_stages: int | None = None, interpret: bool = False,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
-    """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative log decay (fp32); beta
-    [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a multiple of H. The kernel
-    takes q and k as `prepare_qk(q, k, scale, l2_normalize)` would give them (the defaults: as they come).
+    """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] chunk-local cumulative log decay G (fp32, stage 0's);
+    raw_g [B, T, HV, K] the per-token log decays (stage 0's input, fp32: what steep chunks read); beta
+    [B, T, HV]. T a multiple of the chunk, K and V powers of two >= 16, HV a multiple of H. The kernel takes q
+    and k as `prepare_qk(q, k, scale, l2_normalize)` would give them (the defaults: as they come).
 
     Returns (T = (I + A_kk)^-1, A_qk), each [B, T, HV, chunk] (row t: row t % chunk of its chunk's
     matrix, zeros above the diagonal; T None without `with_inverse`: only the backward reads it), and
     `chunk_wy`'s (w, u, kg, qg, decay), in the inputs' dtype (decay fp32).
 
-    With `packed`, q, k, v and beta hold packed sequences ([1, T', ...], any T'), read in place, and g
+    With `packed`, q, k, v, raw_g and beta hold packed sequences ([1, T', ...], any T'), read in place, and g
     and every result are in the padded layout ([1, NT * chunk, ...]).
     """
     dk, dv = q.shape[3], v.shape[3]
@@ -251,7 +245,7 @@ def chunk_intra(
     rows = functools.partial(chunk_rows_spec, chunk)
     tokens = functools.partial(token_rows_spec, chunk, packed_length=None if packed is None else q.shape[1])
     in_specs = [
-        tokens(dk, group), tokens(dk, group), tokens(dv), rows(dk),
+        tokens(dk, group), tokens(dk, group), tokens(dv), rows(dk), tokens(dk),
         token_column_spec(chunk, None if packed is None else q.shape[1]), *packed_chunk_specs(packed, length // chunk),
     ]
     wy_out_specs, wy_out_shape = wy_specs(chunk, length, q, v)
@@ -268,5 +262,5 @@ def chunk_intra(
         ),
         interpret=interpret,
         name="kda_chunk_intra",
-    )(q, k, v, g, beta, *(packed or ()))
+    )(q, k, v, g, raw_g, beta, *(packed or ()))
     return (outputs[0] if with_inverse else None, outputs[squares - 1]), tuple(outputs[squares:])

@@ -19,6 +19,11 @@ large cumulative decay costs no precision in the terms that matter. Per-channel 
 pairwise sums over sub-chunks of 16: blocks below the diagonal factor exp(G_i - G_j) at the row r
 ending the previous sub-chunk (j <= r < i) into two factors <= 1 and use matmuls; diagonal blocks
 form the [16, 16, K] exponents directly. A per-head decay needs only a [C, C] exponent matrix.
+The pairwise sums are masked matmuls, so the gates enter clamped at GATE_FLOOR = -1e30: a gate of -inf
+(log 0, a hard reset) would give 0 * -inf = NaN in them. The clamp is exact: an exponent that holds a clamped
+gate is <= -1e30 and its exp is 0 in fp32, as the true one's (down to exp(-inf)) is; sums of up to 128 such
+gates stay finite; and the gradient w.r.t. a gate below the floor is 0, as every term holding it carries its
+exp, 0.
 
 The backward stores the per-chunk states S_n only (never per-token states): it recomputes the
 chunk-local quantities under `jax.vjp`, runs the state pass in reverse by hand, and maps the
@@ -40,6 +45,7 @@ from hybrax.ops.kda.api import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttent
 from hybrax.ops.kda.xla_scan import EXACT, value_head_qk
 
 SUB_CHUNK = 16
+GATE_FLOOR = -1e30  # log decays are clamped here (exactly: see the module docstring)
 
 
 def _mm(spec: str, *operands: jax.Array) -> jax.Array:
@@ -337,7 +343,7 @@ def _chunked_inputs(problem: KdaProblem, layout: Layout, chunk: int) -> Chunked:
     to_chunks = lambda x: _to_chunks(x, layout, chunk)  # noqa: E731
     return Chunked(
         to_chunks(q), to_chunks(k), to_chunks(problem.v.astype(jnp.float32)), to_chunks(problem.beta),
-        to_chunks(problem.decay), initial,
+        to_chunks(jnp.maximum(problem.decay, GATE_FLOOR)), initial,
     )
 
 
