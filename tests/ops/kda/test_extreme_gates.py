@@ -22,6 +22,12 @@ from tests.helpers import TOLERANCE, to64
 from tests.ops.kda.oracle import as64, kda64
 
 FP32 = TOLERANCE[jnp.float32]
+# The fused gate's a_log gradient sums dg * g over the tokens. The Pallas backward takes dg as a suffix sum of
+# the gradient of the cumulative gate (pallas_chunk_cumsum.gate_gradient), which leaves ~2^-24 of the terms that
+# cancel in it, and g multiplies that by up to 104 (below, the gate's decay underflows and dg is set to 0):
+# measured 1.1e-5 on the fused layout's mixture (gates of -70 times rates above 1). XLA differentiates the
+# pairwise sums themselves: no such cancellation.
+A_LOG = {"xla": FP32, "pallas": 5e-5}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -94,18 +100,20 @@ def _softplus_inverse(x):
 def kda_case(seed, *, length=64, heads=1, value_heads=1, dim=16, decay="channel", fused=False, packed=False):
     """(arrays, options): one batch row per gate pattern, or with `packed` one sequence per pattern in a batch
     of one, behind an empty sequence and followed by tokens of no sequence. `fused`: the decay is the raw input
-    of the softplus gate (a_log, dt_bias) that gives the patterns' log decays, -inf as -1e30 (a raw input of
-    +inf gives the gate -inf, whose a_log gradient is inf * 0 = NaN, in the float64 reference too)."""
+    of the softplus gate (a_log, dt_bias) that gives the patterns' log decays, -inf as -3e38 (a raw input of
+    +inf gives the gate -inf, whose a_log gradient is inf * 0 = NaN, in the float64 reference too; two gates of
+    -3e38 overflow a sum of them to -inf)."""
     rng = np.random.default_rng(seed)
     rows = len(PATTERNS)
     channels = (value_heads, dim) if decay == "channel" or fused else (value_heads,)
     g = _gates(length, channels, seed + 1)
     arrays = {}
     if fused:
-        a_log, dt_bias = 0.5 * rng.standard_normal(value_heads), rng.standard_normal((value_heads, dim))
+        a_log = 0.1 + 0.5 * np.abs(rng.standard_normal(value_heads))  # rates above 1: raw inputs up to 3e38
+        dt_bias = rng.standard_normal((value_heads, dim))
         rate = np.exp(a_log)[:, None]
         arrays.update(a_log=a_log, dt_bias=dt_bias)
-        g = _softplus_inverse(-np.maximum(g, -1e30) / rate) - dt_bias  # softplus(raw + dt_bias) * rate = -g
+        g = _softplus_inverse(-np.maximum(g, -3e38) / rate) - dt_bias  # softplus(raw + dt_bias) * rate = -g
     batch, options = rows, {}
     if packed:  # sequences of `length` tokens, an empty one first, 3 tokens of no sequence after them
         batch, total = 1, rows * length + 3
@@ -227,6 +235,6 @@ def test_kda_extreme_gates(layout, impl):
     for name in ("q", "k", "v", "beta", "decay"):
         assert_rows_close(grads[name], want_grads[name], FP32, f"d {name}", tokens)
     assert_rows_close(grads["initial_state"], want_grads["initial_state"], FP32, "d initial_state", states)
-    for name in ("a_log", "dt_bias"):  # shared by every pattern: one relative error
-        if name in grads:
-            assert_rows_close(grads[name], want_grads[name], FP32, f"d {name}", {"all": ...})
+    if "a_log" in grads:  # shared by every pattern: one relative error
+        assert_rows_close(grads["dt_bias"], want_grads["dt_bias"], FP32, "d dt_bias", {"all": ...})
+        assert_rows_close(grads["a_log"], want_grads["a_log"], A_LOG[IMPLS[impl].platform], "d a_log", {"all": ...})
