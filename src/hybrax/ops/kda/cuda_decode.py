@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, register
 from hybrax.ops import cuda_build
-from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_decode import GATES, step_scalars
 from hybrax.ops.kda.xla_scan import kda_single_step
 

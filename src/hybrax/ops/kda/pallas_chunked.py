@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrax.core import Invocation, register, vary_like
-from hybrax.ops.kda.api import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.base import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
 from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, Packing, kda_chunk_fwd, kda_chunk_fwd_solved
 from hybrax.ops.kda.pallas_chunk_state import Segments

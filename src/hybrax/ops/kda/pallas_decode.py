@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, register
-from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.xla_scan import inverse_l2_norm, kda_single_step
 from hybrax.ops.pallas_shared import interpret_here, pallas_call
 

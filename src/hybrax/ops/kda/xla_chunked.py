@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from hybrax.core import Invocation, register, vary_like
-from hybrax.ops.kda.api import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.base import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.xla_scan import EXACT, value_head_qk
 
 SUB_CHUNK = 16

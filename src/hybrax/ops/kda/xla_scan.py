@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hybrax.core import Invocation, register
-from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.reference import L2_EPS
 
 EXACT = lax.Precision.HIGHEST

@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, lookup, register
-from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, interpret_mode
 from hybrax.ops.kda.xla_scan import l2_normalize
 

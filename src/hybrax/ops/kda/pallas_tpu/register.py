@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrax.core import Invocation, register
-from hybrax.ops.kda.api import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, kda_forward
 from hybrax.ops.kda.xla_chunked import chunked_backward
 
