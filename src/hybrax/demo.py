@@ -118,7 +118,7 @@ def recurrent_cases() -> list[Case]:
 def kda_cases() -> list[Case]:
     """KDA: the chunked, scan and Pallas-chunked (interpret mode off the GPU) implementations with
     per-channel decay, grouped value heads and a state; the fused bounded gate with beta logits on packed
-    sequences; one decode step (kda_tkg, seed 003's layout). Outputs and final states."""
+    sequences; one decode step (kda_tkg, the NKI layout). Outputs and final states."""
     from hybrax import KernelDeltaAttentionConfig, kda_tkg, kernel_delta_attention
     from hybrax.ops.kda.reference import kda_reference, kda_tkg_reference
 

@@ -295,7 +295,7 @@ class Attention(Kernel[AttentionConfig, jax.Array]):
         sliding_window: int | tuple[int, int] | None = None, *, mask_info: MaskInfo | None = None,
         platform: str | None = None, cfg: AttentionConfig | None = None,
     ) -> jax.Array:
-        """Seed 002's `Attention.run` argument order (attention_mask: bool [B, 1 | H, Tq, Tk], True
+        """ejkernel's `Attention.run` argument order (attention_mask: bool [B, 1 | H, Tq, Tk], True
         keeps), so code written for it binds the same arguments. Returns the output only: the seed's
         second result, the full attention weights, would cost [B, H, Tq, Tk] memory."""
         if attention_mask is not None:

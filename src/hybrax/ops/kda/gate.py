@@ -2,7 +2,7 @@
 activated log decay and an activated beta; gradients reach a_log and dt_bias through autodiff.
 
     softplus gate (Kimi Linear's released form): g = -exp(a_log) * softplus(raw + dt_bias)
-    bounded gate (seed 003, fla's "safe gate"):  g = lower_bound * sigmoid(exp(a_log) * (raw + dt_bias))
+    bounded gate (the NKI `kda_tkg`'s, fla's "safe gate"):  g = lower_bound * sigmoid(exp(a_log) * (raw + dt_bias))
 Both are <= 0 (lower_bound <= 0), so exp(g) is in (0, 1] and a decay never amplifies the state.
 """
 

@@ -8,7 +8,7 @@ and writes it once (per token when speculative decoding keeps every token's stat
     q, k  <- L2-normalized (x / sqrt(sum x^2 + 1e-6)), q scaled
     g     <- the fused gate, from the raw input:  activated (g is already the log decay)
              softplus:  -exp(a_log) * softplus(g + dt_bias)          (Kimi Linear's released gate)
-             bounded:   lower_bound * sigmoid(exp(a_log) * (g + dt_bias))   (seed 003, fla's safe gate)
+             bounded:   lower_bound * sigmoid(exp(a_log) * (g + dt_bias))   (the NKI `kda_tkg`'s, fla's safe gate)
     beta  <- sigmoid(beta) when it holds logits
     S' = Diag(exp g) S;  S = S' + k (beta (v - S'^T k))^T;  o = S^T q
 
@@ -102,7 +102,7 @@ def _decode_kernel(
         # Both reductions over K from the decayed state: o = S_new^T q = S'^T q + (k . q) beta e, so the
         # output's reduction does not wait for the update. Kept as two sums: stacked into one [K, BV, 2]
         # reduction they doubled the registers (230 at bv64 w4, 2 programs per SM) and ran 10-25% slower
-        # on the H200 (BENCHMARKS.md, sixteenth session).
+        # on the H200 (docs/benchmark_log.md).
         decayed_k = jnp.sum(state * along_keys(k), axis=key_axis)
         decayed_q = jnp.sum(state * along_keys(q), axis=key_axis)
         update = beta * (v - decayed_k)
@@ -257,22 +257,22 @@ def tile_reason(dk: int, dv: int) -> str | None:
 
 # (block_v, num_warps) launches worth timing; the autotuner of `kda_decode_pool` tries those that fit the head
 # sizes. (Splitting the key axis into blocks held apart, fewer registers and barriers in the offline PTX, lost at
-# every batch on the H200: BENCHMARKS.md, fourteenth session.)
+# every batch on the H200: docs/benchmark_log.md.)
 LAUNCH_CANDIDATES = ((32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (64, 8))
 # From this many programs of 64 value columns up, 64 columns stream the state faster; below, 32 columns
 # fill the GPU better (H200, 132 SMs, H = 32, K = V = 128, µs per step with 32 / 64 columns: B = 1
-# 11.2 / 16.0 (2026-12-02), B = 8 8.40 / 9.27, B = 64 81.8 / 81.5-82.4, B = 256 318 / 316, B = 1024 at
-# H = 16 644 / 624-632 (2026-12-04); BENCHMARKS.md).
+# 11.2 / 16.0, B = 8 8.40 / 9.27, B = 64 81.8 / 81.5-82.4, B = 256 318 / 316, B = 1024 at
+# H = 16 644 / 624-632; docs/benchmark_log.md).
 MIN_PROGRAMS = 4096
 
 
 def launch_params(rows: int, dv: int, state_v_first: bool = False) -> dict[str, int]:
-    """block_v and num_warps for `rows` = requests x value heads (measured on the H200: BENCHMARKS.md).
+    """block_v and num_warps for `rows` = requests x value heads (measured on the H200: docs/benchmark_log.md).
 
     K-first: 4 warps, 32 columns up to B = 8 at H = 32, 64 columns from B = 64 (Triton lays the warps along K,
     so the reductions over K cross warps; more warps lose). V-first: 32 columns and 8 warps at every B (each
     warp holds whole key rows, its reductions stay in the warp): 1-13% faster there than the K-first launches
-    (seventeenth session), though still 1-2% behind the K-first state at B >= 64."""
+    though still 1-2% behind the K-first state at B >= 64."""
     if state_v_first:
         return {"block_v": min(32, dv), "num_warps": 8}
     block_v = 64 if dv >= 64 and rows * (dv // 64) >= MIN_PROGRAMS else min(32, dv)

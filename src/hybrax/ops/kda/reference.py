@@ -37,7 +37,7 @@ def activate_gate(raw: Any, a_log: Any, dt_bias: Any = None, lower_bound: Any = 
     """The fused gate on raw [B, T, HV, K] (or [B, T, HV]) inputs; a_log [HV], dt_bias [HV, K] or [HV*K].
 
     lower_bound None: -exp(a_log) * softplus(raw + dt_bias)              (Kimi Linear's released gate)
-    lower_bound set:  lower_bound * sigmoid(exp(a_log) * (raw + dt_bias))  (seed 003's bounded gate)
+    lower_bound set:  lower_bound * sigmoid(exp(a_log) * (raw + dt_bias))  (the NKI `kda_tkg`'s bounded gate)
     `xp` is numpy (float64 here) or jax.numpy (the tests' differentiable oracle, on float64 arrays).
     """
     if xp is np:
@@ -124,7 +124,7 @@ def kda_reference(
 def kda_tkg_reference(
     q: Any, k: Any, v: Any, g: Any, beta: Any, a_log: Any, dt_bias: Any, S: Any, scale: Any, lower_bound: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Seed 003's decode step in its own layout: q, k, g [B, dk, H] raw; v [B, H, dv]; beta [B, 1, H]
+    """The NKI `kda_tkg` decode step in its own layout: q, k, g [B, dk, H] raw; v [B, H, dv]; beta [B, 1, H]
     logits; a_log [1, H]; dt_bias [dk, H]; S [B, H, dk, dv]; scale, lower_bound [1, 1].
     Returns (out [B, H, dv], new S [B, H, dk, dv])."""
     q, k, g, v, beta, S = (_f64(x) for x in (q, k, g, v, beta, S))

@@ -1,4 +1,4 @@
-"""`kda_tkg`: seed 003's KDA token-generation step, in its own layouts.
+"""`kda_tkg`: the NKI `kda_tkg` KDA token-generation step, in its own layouts.
 
 One decode token for each of B requests: q, k and the raw gate g come head-last ([B, dk, H]), the
 bounded gate lower_bound * sigmoid(exp(a_log) * (g + dt_bias)) and the beta sigmoid are applied
@@ -106,7 +106,7 @@ def kda_tkg(
     scale: Float[Array, "1 1"],
     lower_bound: Float[Array, "1 1"],
 ) -> tuple[Float[Array, "B num_head dv"], Float[Array, "B num_head dk dv"]]:
-    """One KDA decode step for B requests (seed 003). Returns (out [B, H, dv] in out's dtype, new S)."""
+    """One KDA decode step for B requests (the NKI `kda_tkg`). Returns (out [B, H, dv] in out's dtype, new S)."""
     _check(q, k, v, g, beta, a_log, dt_bias, out, S, scale, lower_bound)
     batch, dk, heads = jnp.shape(q)
     dv = jnp.shape(v)[2]

@@ -35,7 +35,7 @@ from hybrax.ops.recurrent import varlen
 
 OP_ID = "recurrent_attention"
 # Off the CPU, below this length the per-step scan beats the chunked algorithm's setup (and decoding
-# is T=1). On the CPU the scan wins at every length measured (its state stays in cache; BENCHMARKS.md).
+# is T=1). On the CPU the scan wins at every length measured (its state stays in cache; docs/benchmark_log.md).
 CHUNKED_MIN_SEQ_LEN = 64
 
 
@@ -200,7 +200,7 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
         softmax_scale: float | None = None, initial_state: Any = None, reverse: bool = False, cu_seqlens: Any = None,
         return_state: bool = False, platform: str | None = None, *, cfg: RecurrentAttentionConfig | None = None,
     ) -> Any:
-        """Seed 001's `RecurrentAttention.run` argument order (softmax_scale before initial_state,
+        """ejkernel's `RecurrentAttention.run` argument order (softmax_scale before initial_state,
         reverse before cu_seqlens), so code written for it binds the same arguments."""
         return super().run(
             query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens, softmax_scale=softmax_scale,

@@ -24,7 +24,7 @@ On a TPU v5e (JAX 0.10.2), bf16 (1, 8192, 16, 128), per-channel decay: 4.31 ms a
 step (3.94 with one-pass scores and solve), 5.04 at chunk 64, against 20.8 for XLA chunked; errors against
 XLA on fp32 inputs 3.3e-3 (output) and 2.9e-3 (final state). The MXU's throughput does not bound it (the
 3-pass solve's twice as many products cost 9%); the rest (vector work, VMEM traffic, the products' latency)
-is not yet attributed: the machine has no profiler (BENCHMARKS.md).
+is not yet attributed: the machine has no profiler (benchmarks/results/tpu_v5_lite).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def _supports(inv: Invocation, cfg: KernelDeltaAttentionConfig | None = None) ->
 
 
 def _heuristic(inv: Invocation) -> KernelDeltaAttentionConfig:
-    # TPU v5e, (1, 8192, 16, 128) bf16, forward: chunk 128 4.31 ms, 64 5.04 (4 heads per step; BENCHMARKS.md).
+    # TPU v5e, (1, 8192, 16, 128) bf16, forward: chunk 128 4.31 ms, 64 5.04 (4 heads per step; benchmarks/results).
     # But the backward runs XLA chunked at the same chunk, timed at 64 only (41.9 of its 62.7 ms fwd+bwd), and
     # its per-token work grows with the chunk: 64 until forward+backward is timed at 128.
     return KernelDeltaAttentionConfig(chunk_size=64)
