@@ -29,8 +29,8 @@ which hold every measurement with its versions, commit and command; edit those, 
 Times are medians of one step (`hybrax.bench.timer`: back-to-back jitted calls; anchors in PyTorch by CUDA-graph
 replay). **ours / X** is our time over anchor X's, both timed in one run on the same inputs: below 1.00 ours is
 faster. † marks a ratio from an earlier row of the same implementation and shape (the last row did not time
-that anchor). Commits marked * are imported rows: numbers converted from the measurement log
-(`docs/benchmark_log.md`), which tells how each was taken ("-": the log names no commit); + marks a run from a
+that anchor). Commits marked * are imported rows: numbers converted from the earlier H200 measurement log
+(each row keeps its command; "-": the log named no commit); + marks a run from a
 checkout whose package files differed from its commit. TFLOP/s count the nominal FLOPs of each op
 (`src/hybrax/bench/workloads/`); GB/s the bytes a decode step must move.
 

@@ -35,7 +35,7 @@ EXACT = lax.Precision.HIGHEST  # fp32 dots without tf32 rounding
 # fp32 dots on the GPU (A_kk, A_qk, T; every dot of fp32 inputs): for fp32 inputs three tf32 passes on the
 # tensor cores keep fp32 accuracy (Triton's exact fp32 dot runs on the FMA units and made stage 1 2x
 # slower); for bf16 inputs one tf32 pass, as flash-linear-attention: on the H200 it gave the same output
-# and state errors as three passes (4.2e-3, 3.2e-3 at (1, 8192, 32, 128); docs/benchmark_log.md) in 25% less
+# and state errors as three passes (4.2e-3, 3.2e-3 at (1, 8192, 32, 128)) in 25% less
 # time. The CPU (interpret mode) has no tf32 and computes them exactly.
 FP32_INPUT_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 BF16_INPUT_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32

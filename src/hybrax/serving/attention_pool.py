@@ -222,7 +222,7 @@ def _in_place_heuristic(inv: Invocation) -> AttentionDecodePoolConfig:
 
 
 # `auto` picks it on GPUs: on the H200 it matched the gather and ran 1.4x (B = 1) to 5.9x (B = 64, 32k tokens)
-# faster (docs/benchmark_log.md). On the CPU it would run interpreted.
+# faster (H200 measurements). On the CPU it would run interpreted.
 @register(OP_ID, "pallas", "in_place", priority=2, devices=("gpu",), supports=_in_place_reason,
           heuristic_cfg=_in_place_heuristic, gradient_of=_gather)
 def _in_place(p: AttentionPoolProblem, cfg: AttentionDecodePoolConfig) -> tuple[jax.Array, jax.Array, jax.Array]:

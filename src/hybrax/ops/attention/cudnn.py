@@ -2,7 +2,7 @@
 
 NVIDIA's fused kernel, maintained by NVIDIA and JAX: on an H200 (bf16, causal, B=1, H=8, D=64) it took
 0.39 / 1.09 ms forward / forward+backward at T=8192 where the blockwise XLA implementation took 4.17 / 8.78
-(docs/benchmark_log.md, "attention"). It covers the core of `attention`: full, causal and causal sliding-window
+(H200 measurements). It covers the core of `attention`: full, causal and causal sliding-window
 attention with MHA / GQA / MQA heads in bf16 or fp16, any head dims up to 256. `supports` names each option
 it lacks (bias, masks, segment ids, soft cap, sinks, dropout, ...), and `auto` then takes the XLA implementations.
 

@@ -54,7 +54,7 @@ def _supports(inv: Invocation, cfg: AttentionConfig | None = None) -> str | None
 # Blocks (block_q query rows, block_k keys) by head dim (padded) for 16-bit inputs, forward and backward; fp32
 # inputs take FP32_BLOCKS. Chosen offline (no GPU timed them yet): the largest tiles that upstream Triton 3.6
 # compiles for sm_90 with every option on (segments, sinks, soft cap, bias, mask) without spilling registers or
-# passing the H200's shared memory (`tools/triton_shared_memory.py --op attention`; docs/benchmark_log.md):
+# passing the H200's shared memory (`tools/triton_shared_memory.py --op attention`):
 # forward 128 x 64 at D <= 128 (252 registers at D = 128), 64 x 32 at D = 256 (245); backward 64 x 64 at D = 128
 # (255 registers), 64 x 32 at D = 64 and 256. fp32 dots take three tf32 passes: from D = 128 on the backward
 # spills even at 32 x 32 (correct, but slow; 16-bit inputs are the fast path).
@@ -209,7 +209,7 @@ def _bias_grad(p: AttentionProblem, d_bias: jax.Array, geometry: Geometry) -> ja
 
 
 # On a GPU `auto` takes it where cuDNN declines (sinks, segments, bias, masks, dropout, soft cap, fp32): checked
-# against float64 and timed on the H200 (docs/benchmark_log.md). platform="pallas" runs it anywhere.
+# against float64 and timed on the H200 (H200 measurements). platform="pallas" runs it anywhere.
 @register(OP_ID, "pallas", "flash", priority=5, devices=("gpu",), supports=_supports, heuristic_cfg=_heuristic,
           candidate_cfgs=_candidates, fwd=_fwd, bwd=_bwd)
 def flash(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G Dv"]:

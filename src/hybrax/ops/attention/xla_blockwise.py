@@ -246,7 +246,7 @@ def _backward(cfg: AttentionConfig, residuals: tuple, d_out: jax.Array) -> Atten
 
 
 def _heuristic(inv: Invocation) -> AttentionConfig:
-    # Measured at T=2048 / 8192 (docs/benchmark_log.md): on the CPU tiles that stay in cache win; on an H200
+    # Measured at T=2048 / 8192 (H200 measurements): on the CPU tiles that stay in cache win; on an H200
     # the fewest loop steps win (1024 beat 512 by 2x at T=8192).
     if inv.device == "cpu":
         return AttentionConfig(block_q=128, block_k=256)

@@ -2,7 +2,7 @@
 `pallas_decode`, one token per request, the state in place.
 
 Registered under platform "cuda" for `kernel_delta_attention`'s T = 1 path and for `kda_decode_pool`, above the
-Pallas kernel: on the H200 it streams the state faster (docs/benchmark_log.md). It takes one token per request, the
+Pallas kernel: on the H200 it streams the state faster (H200 measurements). It takes one token per request, the
 K-first state and K in {64, 128} with V a multiple of 32; speculative decoding (T > 1, token_slots) and the
 V-first pool stay with the Pallas kernel. Without a GPU or nvcc it declines (`cuda_build.unavailable_reason`).
 """
@@ -42,7 +42,7 @@ def shape_reason(tokens: int, dk: int, dv: int) -> str | None:
 
 # `auto` takes the CUDA step from this many request x value-head rows up and leaves fewer to the Pallas step, faster
 # there on the H200 (H = 32, K = V = 128, µs per step CUDA / Pallas: B = 1 3.32 / 2.47, B = 8 9.26 /
-# 8.33, B = 64 74.11 / 77.95, B = 256 274.9 / 291.9; B = 1024 at H = 16 547.2 / 585.3; docs/benchmark_log.md).
+# 8.33, B = 64 74.11 / 77.95, B = 256 274.9 / 291.9; B = 1024 at H = 16 547.2 / 585.3).
 AUTO_MIN_ROWS = 2048
 
 

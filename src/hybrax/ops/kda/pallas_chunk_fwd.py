@@ -115,7 +115,7 @@ class Stages(NamedTuple):
 class Solved(NamedTuple):
     """T and A_qk from stage 1, [B, T, HV, C] each (padded): what the backward keeps from the forward.
     (Keeping the chunk states h and v_new too, so that the backward skips its state pass, made
-    forward+backward no faster on the H200: docs/benchmark_log.md.)"""
+    forward+backward no faster on the H200.)"""
 
     inverse: jax.Array
     aqk: jax.Array

@@ -21,7 +21,7 @@ positions (`pallas_chunk_gates`): the kernel never overflows, never cancels two 
 very negative gates underflow to exactly 0.
 Three quarters of each dot's left operand is zeros: on the H200 the tensor cores absorb that, and this
 took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
-(1, 8192, 32, 128) bf16 (docs/benchmark_log.md). [16, C] row blocks stacked into the tile afterwards do a
+(1, 8192, 32, 128) bf16 (H200 measurements). [16, C] row blocks stacked into the tile afterwards do a
 quarter of the dot work but took 1.82 ms there against 0.75: Triton's stacking (join, transpose,
 reshape) costs far more than the zeros. T follows on the whole tile by growing inverted diagonal blocks
 (`unit_lower_inverse`).
@@ -137,7 +137,7 @@ def _factored_scores(q_ref, k_ref, g_ref, *, block_k: int, precision) -> tuple[j
     steep chunks, whose clamped factors callers replace by `_exact_scores`). All four sub-chunks' passes
     share one loop over K: ptxas for sm_90 spills 428/348 bytes per thread for it (none with one loop per
     sub-chunk, which reads every K slice four times), yet on the H200 one loop took 0.689 ms, two
-    sub-chunks per loop 0.923 and one 1.507 (docs/benchmark_log.md)."""
+    sub-chunks per loop 0.923 and one 1.507 (H200 measurements)."""
     chunk, dk = q_ref.shape
 
     def accumulate(index, scores):
@@ -161,7 +161,7 @@ def row_factors(q_ref, k_ref, scale: float, l2_normalize: bool, block_k: int) ->
     """[C] fp32 factors that take the rows of q and k to `prepare_qk`'s: scale / |q_i| and 1 / |k_i|, from
     the K slices of `block_k` after the scores, read in straight-line code with one row sum after them (a
     loop with a row sum per slice put a barrier before each slice's reads, so each waited out a memory round
-    trip). On the H200 (stage 1 alone, docs/benchmark_log.md) that loop took 0.712-0.728 ms; whole [C, K] tiles
+    trip). On the H200 (stage 1 alone) that loop took 0.712-0.728 ms; whole [C, K] tiles
     1.45, the loop before the scores 0.89, the squares summed in the score loops 0.723-0.730: at 255
     registers, values live across the score loop cost more than loads."""
     ones = jnp.ones(q_ref.shape[:1], jnp.float32)

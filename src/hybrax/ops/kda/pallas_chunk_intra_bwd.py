@@ -14,7 +14,7 @@ rows outside a are dropped by the row factor, zero there). A steep chunk (`palla
 decays by more than exp(STEEP), where the split factors would overflow and differences of G cancel) takes every
 pair column by column instead, each decay summed from the per-token gates. Each K slice's rows of dq, dk, dG
 are final when its pass ends. On the H200 at (1, 8192, 32, 128) this took 1.245 ms against 1.346 for 16x16
-block pairs (docs/benchmark_log.md).
+block pairs (H200 measurements).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def split_decay(g_ref, gates: jax.Array, slice_k, a: int) -> tuple[jax.Array, ja
     exp(G_r - G_j) on every row, clamped at exp(STEEP) (only ever above the diagonal, where P and D are zero:
     steep chunks take `_exact_pairs`).
     (Stage 1's `SubChunkDecay`, two exps per K slice for all sub-chunks, made this kernel slower on the
-    H200: 1.220-1.292 ms against 1.114, docs/benchmark_log.md.)"""
+    H200: 1.220-1.292 ms against 1.114.)"""
     start = g_ref[a * SUB, slice_k][None, :]
     in_a = lax.broadcasted_iota(jnp.int32, gates.shape, 0) // SUB == a
     to_start = jnp.where(in_a, jnp.exp(jnp.where(in_a, gates - start, 0.0)), 0.0)

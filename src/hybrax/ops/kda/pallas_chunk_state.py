@@ -10,7 +10,7 @@ chip and walks the chunks in order. At chunk t, with h the state before it:
 
 The forward's output off the recurrence's critical path costs the pass little: at (1, 8192, 32, 128)
 bf16 on the H200, 0.228 ms against 0.237 for the pass storing h and v_new plus 0.115 for a separate
-output kernel reading them back (docs/benchmark_log.md).
+output kernel reading them back (H200 measurements).
 
 Packed sequences (`segments`, a batch of one): each sequence owns whole chunks; h restarts from its
 sequence's initial state at the sequence's first chunk and is its final state after its last.
@@ -114,7 +114,7 @@ def _state_kernel(w_ref, kg_ref, *refs, chunk: int, precision, with_output: bool
 # fewer than a wave of programs of 32 value columns, 16 columns put twice as many SMs to work. H200,
 # bf16, ms with 32 / 16 columns: (1, 32768, 16, 128), 64 programs of 32: state with output 0.864 / 0.785,
 # state 0.834 / 0.745, reverse state 0.972 / 0.862; (2, 16384, 16, 128), 128 programs of 32: 0.454 / 0.791,
-# 0.456 / 0.448, 0.519 / 0.851 (docs/benchmark_log.md).
+# 0.456 / 0.448, 0.519 / 0.851 (H200 measurements).
 FULL_WAVE = 128
 
 
@@ -126,7 +126,7 @@ def default_block_v(rows: int, dv: int) -> int:
 def output_block_v(rows: int, dv: int) -> int:
     """The same for the forward's pass with the output, which takes 64 columns from two waves of 64-column
     programs up: at (8, 2048, 16, 128) bf16 on the H200 (256 programs of 64), 0.160 ms against 0.183 with 32
-    columns (docs/benchmark_log.md; at (1, 8192, 32, 128), 64 programs of 64, 32 columns stay)."""
+    columns (at (1, 8192, 32, 128), 64 programs of 64, 32 columns stay)."""
     return 64 if dv >= 64 and rows * (dv // 64) >= 2 * FULL_WAVE else default_block_v(rows, dv)
 
 

@@ -102,7 +102,7 @@ def _decode_kernel(
         # Both reductions over K from the decayed state: o = S_new^T q = S'^T q + (k . q) beta e, so the
         # output's reduction does not wait for the update. Kept as two sums: stacked into one [K, BV, 2]
         # reduction they doubled the registers (230 at bv64 w4, 2 programs per SM) and ran 10-25% slower
-        # on the H200 (docs/benchmark_log.md).
+        # on the H200 (H200 measurements).
         decayed_k = jnp.sum(state * along_keys(k), axis=key_axis)
         decayed_q = jnp.sum(state * along_keys(q), axis=key_axis)
         update = beta * (v - decayed_k)
@@ -257,17 +257,17 @@ def tile_reason(dk: int, dv: int) -> str | None:
 
 # (block_v, num_warps) launches worth timing; the autotuner of `kda_decode_pool` tries those that fit the head
 # sizes. (Splitting the key axis into blocks held apart, fewer registers and barriers in the offline PTX, lost at
-# every batch on the H200: docs/benchmark_log.md.)
+# every batch on the H200.)
 LAUNCH_CANDIDATES = ((32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (64, 8))
 # From this many programs of 64 value columns up, 64 columns stream the state faster; below, 32 columns
 # fill the GPU better (H200, 132 SMs, H = 32, K = V = 128, µs per step with 32 / 64 columns: B = 1
 # 11.2 / 16.0, B = 8 8.40 / 9.27, B = 64 81.8 / 81.5-82.4, B = 256 318 / 316, B = 1024 at
-# H = 16 644 / 624-632; docs/benchmark_log.md).
+# H = 16 644 / 624-632).
 MIN_PROGRAMS = 4096
 
 
 def launch_params(rows: int, dv: int, state_v_first: bool = False) -> dict[str, int]:
-    """block_v and num_warps for `rows` = requests x value heads (measured on the H200: docs/benchmark_log.md).
+    """block_v and num_warps for `rows` = requests x value heads (measured on the H200).
 
     K-first: 4 warps, 32 columns up to B = 8 at H = 32, 64 columns from B = 64 (Triton lays the warps along K,
     so the reductions over K cross warps; more warps lose). V-first: 32 columns and 8 warps at every B (each

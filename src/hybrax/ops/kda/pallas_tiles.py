@@ -8,7 +8,7 @@ The per-chunk kernels launch on the grid (value head, chunk, batch). Blocks star
 axis fastest, so the programs in flight read adjacent heads' rows of a chunk: whole [heads, width] rows
 of the [B, T, heads, width] inputs. By chunk they read one head's rows, 256- or 512-byte pieces kilobytes
 apart: the gate cumsum at (1, 32768, 16, 128) fp32 on the H200 took 0.158 ms that way, 0.142 heads first
-(docs/benchmark_log.md).
+(H200 measurements).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SUB = 16  # sub-chunk rows: the smallest tile a Triton dot takes
 # issued as asynchronous copies while the current one computes). At (1, 8192, 32, 128) bf16 on the
 # H200, 3 stages against 1 (2 for the state passes): stage 1 0.797 -> 0.758 ms, state pass 0.291 ->
 # 0.223, reverse state pass 0.331 -> 0.269, grad 0.988 -> 0.870, intra backward 1.250 -> 1.121
-# (docs/benchmark_log.md).
+# (H200 measurements).
 PIPELINE_STAGES = 3
 
 

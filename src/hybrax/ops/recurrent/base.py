@@ -35,7 +35,7 @@ from hybrax.ops.recurrent import varlen
 
 OP_ID = "recurrent_attention"
 # Off the CPU, below this length the per-step scan beats the chunked algorithm's setup (and decoding
-# is T=1). On the CPU the scan wins at every length measured (its state stays in cache; docs/benchmark_log.md).
+# is T=1). On the CPU the scan wins at every length measured (its state stays in cache).
 CHUNKED_MIN_SEQ_LEN = 64
 
 
