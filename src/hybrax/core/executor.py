@@ -20,6 +20,17 @@ from hybrax.core.kernel import Invocation, Kernel
 
 
 class Executor:
+    """Runs operations: `executor(kernel, *args, platform=None, cfg=None, **kwargs)` validates the arguments
+    (`kernel.prepare`), resolves a config as the module says, and runs the chosen implementation.
+
+    Args:
+        memory_cache: configs chosen in this process, by call signature (default: a fresh `MemoryCache`).
+        persistent_cache: configs kept on disk between processes (None: none; the default executor keeps them
+            under $HYBRAX_CACHE_DIR).
+        autotuner: when given, an uncached call times the implementation's candidate configs and keeps the
+            fastest; None: the heuristic config.
+    """
+
     def __init__(
         self,
         *,
