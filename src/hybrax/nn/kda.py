@@ -286,6 +286,32 @@ class KimiDeltaAttention(nnx.Module):
                 targets.update(conv_targets(conv, name))
         load_parameters(type(self).__name__, state_dict, targets)
 
+    def fla_state_dict(self) -> dict[str, np.ndarray]:
+        """The layer's weights as flash-linear-attention's `KimiDeltaAttention` names and lays them out (the names and
+        PyTorch shapes `load_fla_state_dict` lists), so that fla's layer of the same configuration can load them
+        (`torch.from_numpy` each, then `load_state_dict`); `load_fla_state_dict` of the result restores every
+        parameter exactly.
+
+        Returns:
+            {fla name: NumPy array}, in the parameter's dtype where NumPy has it as a float; bfloat16 (which neither
+            NumPy's float checks nor PyTorch's from_numpy take) widened, exactly, to float32.
+        """
+        linears = {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "f_proj.0": self.f_a_proj,
+                   "f_proj.1": self.f_b_proj, "b_proj": self.b_proj, "g_proj.0": self.g_a_proj,
+                   "g_proj.1": self.g_b_proj, "o_proj": self.o_proj}
+        found = {"A_log": self.A_log[...], "dt_bias": self.dt_bias[...], "o_norm.weight": self.o_norm.weight[...]}
+        for name, linear in linears.items():  # nnx kernels are [in, out], PyTorch weights [out, in]
+            found[f"{name}.weight"] = linear.kernel[...].T
+            if linear.bias is not None:
+                found[f"{name}.bias"] = linear.bias[...]
+        if self.use_short_conv:
+            for name, conv in zip(("q_conv1d", "k_conv1d", "v_conv1d"), self._convs()):
+                found[f"{name}.weight"] = conv.weight[...][:, None]  # nn.Conv1d's depthwise [D, 1, W]
+                if conv.bias is not None:
+                    found[f"{name}.bias"] = conv.bias[...]
+        return {name: np.asarray(value if np.issubdtype(value.dtype, np.floating) else value.astype(jnp.float32))
+                for name, value in found.items()}
+
 
 KIMI_LINEAR_NAMES = {"f_a_proj.weight": "f_proj.0.weight", "f_b_proj.weight": "f_proj.1.weight",
                      "g_a_proj.weight": "g_proj.0.weight", "g_b_proj.weight": "g_proj.1.weight"}
