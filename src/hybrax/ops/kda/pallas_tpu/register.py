@@ -1,11 +1,12 @@
-"""`kernel_delta_attention`'s "pallas_tpu:chunked" implementation: the Pallas Mosaic TPU forward (`chunk_fwd`),
-chosen by `auto` on a TPU, runnable anywhere in the TPU interpret mode with `platform="pallas_tpu"`.
+"""`kernel_delta_attention`'s "pallas_tpu:chunked" implementation: the Pallas Mosaic TPU forward (`chunk_fwd`) and
+backward (`chunk_bwd`), chosen by `auto` on a TPU, runnable anywhere in the TPU interpret mode with
+`platform="pallas_tpu"`.
 
-Its backward, until a TPU backward kernel exists, is the XLA chunked implementation's
-(`xla_chunked.chunked_backward`), fed with what it keeps from its own forward: the problem and the fp32 state
-entering each chunk, which the kernel writes beside the output (so no XLA forward runs). Declined (`auto` then
-takes XLA): packed sequences (cu_seqlens), K or V above 128, dtypes other than bf16 and fp32, chunks other than
-16, 32, 64 and 128, use_chunked=False.
+The forward keeps, beside the output, the fp32 state entering each chunk; the backward kernel takes the problem
+and those states and recomputes everything else per chunk. The backward covers every call the forward takes
+(per-head and per-channel decay, GQA, any T, the L2 norm inside or not), so no XLA path runs in either direction.
+Declined (`auto` then takes XLA): packed sequences (cu_seqlens), K or V above 128, dtypes other than bf16 and
+fp32, chunks other than 16, 32, 64 and 128, use_chunked=False.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybrax.core import Invocation, register
+from hybrax.core import Invocation, cotangent, register
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
+from hybrax.ops.kda.pallas_tpu.chunk_bwd import kda_backward
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, kda_forward
-from hybrax.ops.kda.xla_chunked import chunked_backward
 
 PLATFORM = "pallas_tpu"
 
@@ -41,8 +42,8 @@ def _supports(inv: Invocation, cfg: KernelDeltaAttentionConfig | None = None) ->
 
 def _heuristic(inv: Invocation) -> KernelDeltaAttentionConfig:
     # TPU v5e, (1, 8192, 16, 128) bf16, forward: chunk 128 4.31 ms, 64 5.04 (4 heads per step; benchmarks/results).
-    # But the backward runs XLA chunked at the same chunk, timed at 64 only (41.9 of its 62.7 ms fwd+bwd), and
-    # its per-token work grows with the chunk: 64 until forward+backward is timed at 128.
+    # The backward's per-token work grows with the chunk (the solve's and the pairwise terms' [C, C] tiles): 64
+    # until forward+backward is timed at both (benchmarks/kda_tpu.py, its api part).
     return KernelDeltaAttentionConfig(chunk_size=64)
 
 
@@ -62,10 +63,21 @@ def _forward_with_residuals(problem: KdaProblem, cfg: KernelDeltaAttentionConfig
     return (o, final), (problem, entering)
 
 
+def _backward(cfg: KernelDeltaAttentionConfig, residuals: tuple[KdaProblem, jax.Array], ct: tuple) -> KdaProblem:
+    """The problem's cotangent from the problem, the fp32 states entering each chunk and (dO, d final state)."""
+    problem, entering = residuals
+    d_out, d_final = ct
+    dq, dk, dv, dg, dbeta, d_initial = kda_backward(
+        problem.q, problem.k, problem.v, problem.decay, problem.beta, entering, d_out, d_final,
+        scale=problem.scale, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size,
+    )
+    return cotangent(problem, q=dq, k=dk, v=dv, decay=dg, beta=dbeta, initial_state=d_initial)
+
+
 # Below XLA's single step (30), which serves T = 1 without padding a chunk; above XLA chunked (20).
 @register(
     OP_ID, PLATFORM, "chunked", priority=27, devices=("tpu",), heuristic_cfg=_heuristic,
-    candidate_cfgs=_candidates, supports=_supports, fwd=_forward_with_residuals, bwd=chunked_backward,
+    candidate_cfgs=_candidates, supports=_supports, fwd=_forward_with_residuals, bwd=_backward,
 )
 def pallas_tpu_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     return _forward(problem, cfg, with_states=False)
