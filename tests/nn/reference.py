@@ -177,3 +177,136 @@ def random_attention_weights(rng: np.random.Generator, hidden: int, cfg: dict, q
     if cfg["sinks"]:
         weights["sinks"] = rng.normal(size=(heads,))
     return {name: value.astype(np.float32) for name, value in weights.items()}
+
+
+def log_sigmoid(x, xp=np):
+    return -xp.logaddexp(0.0, -x)
+
+
+GLA_FEATURE_MAPS = {"relu": lambda x, xp: xp.maximum(x, 0.0), "sigmoid": sigmoid,
+                    "silu": lambda x, xp: x * sigmoid(x, xp), "swish": lambda x, xp: x * sigmoid(x, xp)}
+
+
+def gla_recurrence(q, k, v, gk, xp=np):
+    """fla's naive_recurrent_gla: q, k, gk [T, H, K], v [T, H, V]; S_t = S_{t-1} exp(gk_t)[:, None] + k_t v_t^T,
+    o_t = S_t^T q_t / sqrt(K). With jax.numpy the loop is a lax.scan."""
+    q = q * q.shape[-1] ** -0.5
+
+    def step(state, token):
+        q_t, k_t, v_t, gk_t = token
+        state = state * xp.exp(gk_t)[..., None] + xp.einsum("hk,hv->hkv", k_t, v_t)
+        return state, xp.einsum("hk,hkv->hv", q_t, state)
+
+    state = xp.zeros((q.shape[1], q.shape[2], v.shape[2]))
+    if xp is np:
+        outputs = []
+        for token in zip(q, k, v, gk):
+            state, o_t = step(state, token)
+            outputs.append(o_t)
+        return np.stack(outputs)
+    return jax.lax.scan(step, state, (q, k, v, gk))[1]
+
+
+def gla_layer(w: dict, x, cfg: dict, xp=np):
+    """fla.layers.GatedLinearAttention on one sequence x [T, hidden]. cfg: num_heads, num_kv_heads, head_k_dim,
+    head_v_dim, use_short_conv, feature_map, use_output_gate, gate_fn, norm_name, gate_logit_normalizer, clamp_min,
+    norm_eps."""
+    length, heads, kv_heads = x.shape[0], cfg["num_heads"], cfg["num_kv_heads"]
+    dk, dv, group = cfg["head_k_dim"], cfg["head_v_dim"], cfg["num_heads"] // cfg["num_kv_heads"]
+    projected = [linear(w, name, x, xp) for name in ("q_proj", "k_proj", "v_proj")]
+    if cfg["use_short_conv"]:
+        projected = [short_conv(t, w[name + ".weight"], w.get(name + ".bias"), xp)
+                     for t, name in zip(projected, ("q_conv1d", "k_conv1d", "v_conv1d"))]
+    q = projected[0].reshape(length, heads, dk)
+    k = xp.repeat(projected[1].reshape(length, kv_heads, dk), group, axis=1)
+    v = xp.repeat(projected[2].reshape(length, kv_heads, dv), group, axis=1)
+    gk = log_sigmoid(linear(w, "gk_proj.1", linear(w, "gk_proj.0", x, xp), xp), xp) / cfg["gate_logit_normalizer"]
+    if cfg["clamp_min"] is not None:
+        gk = xp.maximum(gk, cfg["clamp_min"])
+    gk = xp.repeat(gk.reshape(length, kv_heads, dk), group, axis=1)
+    if cfg["feature_map"] is not None:
+        q, k = GLA_FEATURE_MAPS[cfg["feature_map"]](q, xp), GLA_FEATURE_MAPS[cfg["feature_map"]](k, xp)
+    o = rms_norm(gla_recurrence(q, k, v, gk, xp), w[cfg["norm_name"] + ".weight"], cfg["norm_eps"], xp)
+    if cfg["use_output_gate"]:
+        gate = linear(w, "g_proj", x, xp).reshape(length, heads, dv)
+        o = o * (sigmoid(gate, xp) if cfg["gate_fn"] == "sigmoid" else gate * sigmoid(gate, xp))
+    return linear(w, "o_proj", o.reshape(length, heads * dv), xp)
+
+
+def random_gla_weights(rng: np.random.Generator, hidden: int, cfg: dict, gate_low_rank_dim: int, conv_size: int = 4,
+                       conv_bias: bool = False) -> dict[str, np.ndarray]:
+    """fla-format weights of a GatedLinearAttention layer, float32, at scales that keep activations O(1)."""
+    key_dim, value_dim = cfg["num_heads"] * cfg["head_k_dim"], cfg["num_heads"] * cfg["head_v_dim"]
+    kv_key_dim, kv_value_dim = cfg["num_kv_heads"] * cfg["head_k_dim"], cfg["num_kv_heads"] * cfg["head_v_dim"]
+    shapes = {"q_proj.weight": (key_dim, hidden), "k_proj.weight": (kv_key_dim, hidden),
+              "v_proj.weight": (kv_value_dim, hidden), "gk_proj.0.weight": (gate_low_rank_dim, hidden),
+              "gk_proj.1.weight": (kv_key_dim, gate_low_rank_dim), "o_proj.weight": (hidden, value_dim)}
+    if cfg["use_output_gate"]:
+        shapes["g_proj.weight"] = (value_dim, hidden)
+    weights = {name: rng.normal(size=shape) / np.sqrt(shape[1]) for name, shape in shapes.items()}
+    weights["gk_proj.1.weight"] *= 3.0  # gates from near 0 to well below it
+    weights["gk_proj.1.bias"] = rng.normal(size=(kv_key_dim,))
+    if cfg["use_short_conv"]:
+        for name, dim in (("q_conv1d", key_dim), ("k_conv1d", kv_key_dim), ("v_conv1d", kv_value_dim)):
+            weights[name + ".weight"] = rng.normal(size=(dim, 1, conv_size)) * 0.6
+            if conv_bias:
+                weights[name + ".bias"] = rng.normal(size=(dim,)) * 0.2
+    weights[cfg["norm_name"] + ".weight"] = 1.0 + 0.2 * rng.normal(size=(cfg["head_v_dim"],))
+    return {name: value.astype(np.float32) for name, value in weights.items()}
+
+
+def causal_attention(q, k, v, scale, sliding_window, xp=np):
+    """softmax_{j <= i, i - j <= sliding_window} (scale q_i . k_j) v_j per head: q, k [T, H, D], v [T, H, Dv]."""
+    length = q.shape[0]
+    scores = scale * xp.einsum("thd,shd->hts", q, k)
+    query, key = np.arange(length)[:, None], np.arange(length)[None, :]
+    visible = key <= query
+    if sliding_window is not None:
+        visible &= query - key <= sliding_window
+    scores = xp.where(visible, scores, -np.inf)
+    weights = xp.exp(scores - xp.max(scores, axis=-1, keepdims=True))
+    return xp.einsum("hts,shd->thd", weights / xp.sum(weights, axis=-1, keepdims=True), v)
+
+
+def mla_layer(w: dict, x, cfg: dict, xp=np):
+    """fla.layers.MultiheadLatentAttention on one sequence x [T, hidden] (rope_theta None: no rotation, as Kimi
+    Linear's). cfg: num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+    rope_theta, sliding_window, softmax_scale (None: 1 / sqrt(nope + rope)), norm_eps."""
+    length, heads, nope, rope_dim = x.shape[0], cfg["num_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    eps = cfg["norm_eps"]
+    if cfg["q_lora_rank"] is None:
+        q = linear(w, "q_proj", x, xp)
+    else:
+        q = linear(w, "q_proj.2", rms_norm(linear(w, "q_proj.0", x, xp), w["q_proj.1.weight"], eps, xp), xp)
+    q = q.reshape(length, heads, nope + rope_dim)
+    kv = linear(w, "kv_proj.2", rms_norm(linear(w, "kv_proj.0", x, xp), w["kv_proj.1.weight"], eps, xp), xp)
+    kv = kv.reshape(length, heads, nope + cfg["v_head_dim"])
+    k_rope = linear(w, "k_rope", x, xp)[:, None]
+    q_nope, q_rope, k_nope, v = q[..., :nope], q[..., nope:], kv[..., :nope], kv[..., nope:]
+    if cfg["rope_theta"] is not None:
+        positions = np.arange(length)
+        q_rope, k_rope = rope(q_rope, positions, cfg["rope_theta"], xp), rope(k_rope, positions, cfg["rope_theta"], xp)
+    q = xp.concatenate([q_nope, q_rope], axis=-1)
+    k = xp.concatenate([k_nope, xp.broadcast_to(k_rope, (length, heads, rope_dim))], axis=-1)
+    scale = (nope + rope_dim) ** -0.5 if cfg["softmax_scale"] is None else cfg["softmax_scale"]
+    o = causal_attention(q, k, v, scale, cfg["sliding_window"], xp)
+    return linear(w, "o_proj", o.reshape(length, heads * cfg["v_head_dim"]), xp)
+
+
+def random_mla_weights(rng: np.random.Generator, hidden: int, cfg: dict) -> dict[str, np.ndarray]:
+    """fla-format weights of a MultiheadLatentAttention layer, float32."""
+    heads, rank, q_rank = cfg["num_heads"], cfg["kv_lora_rank"], cfg["q_lora_rank"]
+    qk_dim = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    shapes = {"k_rope.weight": (cfg["qk_rope_head_dim"], hidden), "kv_proj.0.weight": (rank, hidden),
+              "kv_proj.2.weight": (heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), rank),
+              "o_proj.weight": (hidden, heads * cfg["v_head_dim"])}
+    if q_rank is None:
+        shapes["q_proj.weight"] = (heads * qk_dim, hidden)
+    else:
+        shapes.update({"q_proj.0.weight": (q_rank, hidden), "q_proj.2.weight": (heads * qk_dim, q_rank)})
+    weights = {name: rng.normal(size=shape) / np.sqrt(shape[1]) for name, shape in shapes.items()}
+    weights["k_rope.weight"] *= 2.0  # sharper attention than random projections give
+    weights["kv_proj.1.weight"] = 1.0 + 0.3 * rng.normal(size=(rank,))
+    if q_rank is not None:
+        weights["q_proj.1.weight"] = 1.0 + 0.3 * rng.normal(size=(q_rank,))
+    return {name: value.astype(np.float32) for name, value in weights.items()}

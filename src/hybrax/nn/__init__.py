@@ -10,14 +10,17 @@ except ImportError as error:
         "hybrax.nn needs Flax (flax.nnx), which hybrax installs with its `nn` extra: pip install 'hybrax[nn]'"
     ) from error
 
+from hybrax.core.packing import sequence_lengths
 from hybrax.nn.attention import Attention, AttentionCache
 from hybrax.nn.cache import HybridCache, SlotAllocator
 from hybrax.nn.conv import ShortConvolution
+from hybrax.nn.gla import GatedLinearAttention, GlaCache
 from hybrax.nn.kda import KdaCache, KimiDeltaAttention, kimi_linear_to_fla
+from hybrax.nn.mla import MultiheadLatentAttention, mla_to_fla
 from hybrax.nn.norm import GatedRMSNorm, RMSNorm
-from hybrax.nn.packing import sequence_lengths
 
 __all__ = [
-    "Attention", "AttentionCache", "GatedRMSNorm", "HybridCache", "KdaCache", "KimiDeltaAttention", "RMSNorm",
-    "ShortConvolution", "SlotAllocator", "kimi_linear_to_fla", "sequence_lengths",
+    "Attention", "AttentionCache", "GatedLinearAttention", "GatedRMSNorm", "GlaCache", "HybridCache", "KdaCache",
+    "KimiDeltaAttention", "MultiheadLatentAttention", "RMSNorm", "ShortConvolution", "SlotAllocator",
+    "kimi_linear_to_fla", "mla_to_fla", "sequence_lengths",
 ]
