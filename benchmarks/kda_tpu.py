@@ -1,4 +1,4 @@
-"""KDA chunked on one TPU: the Pallas Mosaic forward (pallas_tpu:chunked) against our XLA chunked path.
+"""KDA chunked on one TPU: the Pallas Mosaic kernels (pallas_tpu:chunked) against our XLA chunked path.
 
 Run on the TPU machine (JAX 0.10.2 there; jaxtyping and einops from its own index, see shared/tpu/README.md):
 
@@ -10,9 +10,11 @@ In one process (one program at a time may hold the chip): with --tests, tests/op
 their kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each shape:
   sweep   the forward kernel alone (`kda_forward`) over chunk, value heads per grid step and the MXU passes
           of the scores and the solve, each with its error against the XLA fp32 path;
-  api     forward and forward+backward through `kernel_delta_attention`, ours (default config) and XLA's,
-          with the full-size errors of ours against XLA on fp32 inputs (out and final state; gradients:
-          ours run XLA's chunked backward, on the states our forward kept);
+  bwd     the backward kernel alone (`kda_backward`, on the states the forward kept) over chunk and value
+          heads per grid step, each with its gradients' errors against XLA's fp32 gradients;
+  api     forward and forward+backward through `kernel_delta_attention`, ours (the Pallas forward and
+          backward) and XLA's, each at chunk 64 and 128, with the full-size errors of ours against XLA on fp32
+          inputs (out and final state; the gradients of q, k, v, g, beta, as err_grads);
   ablate  the forward kernel at its defaults with one piece at a time replaced by a stub of the same shapes
           (wrong results, for timing only): what each piece costs, as the machine has no profiler;
   gla     gated linear attention (recurrent_attention with a per-key gate gk), forward, ours (the kernel without
@@ -49,6 +51,7 @@ from hybrax import KernelDeltaAttentionConfig, kernel_delta_attention  # noqa: E
 import hybrax.serving  # noqa: E402,F401  (registers the TPU pool step)
 from hybrax.ops.recurrent.api import RecurrentAttentionConfig, recurrent_attention  # noqa: E402
 from hybrax.ops.kda.pallas_tpu import chunk_fwd  # noqa: E402
+from hybrax.ops.kda.pallas_tpu.chunk_bwd import kda_backward  # noqa: E402
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import kda_forward  # noqa: E402
 from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates  # noqa: E402
 from hybrax.serving import kda_decode_pool  # noqa: E402
@@ -57,8 +60,12 @@ SHAPES = [(1, 8192, 16, 128), (8, 2048, 16, 128)]
 SWEEP = [  # (chunk, block_heads, solve_passes)
     *itertools.product((64, 128), (1, 4), (1, 3)),
 ]
+BWD_SWEEP = [*itertools.product((64, 128), (1, 2, 4))]  # (chunk, block_heads) of the backward kernel
+API = [("pallas_tpu", 64), ("pallas_tpu", 128), ("xla", 64), ("xla", 128)]  # (platform, chunk)
 START = time.perf_counter()
-RESULTS: dict = {"device": None, "sweep": [], "api": [], "steep": [], "gla": [], "decode": [], "errors": []}
+RESULTS: dict = {
+    "device": None, "sweep": [], "bwd": [], "api": [], "steep": [], "gla": [], "decode": [], "errors": [],
+}
 DECODE = (64, 16, 128)  # requests, heads, head dim
 DECODE_STEPS = 20
 
@@ -125,6 +132,18 @@ def reference_fp32(inputs, scale: float):
     return forward(*(x.astype(jnp.float32) for x in (q, k, v)), g, beta)
 
 
+def reference_grads_fp32(inputs, scale: float):
+    """The gradients of `runners`' loss (q, k, v, g, beta) by our XLA chunked path on fp32 inputs."""
+    q, k, v, g, beta = inputs
+    _, backward = runners("xla", scale)
+    return backward(*(x.astype(jnp.float32) for x in (q, k, v)), g, beta)
+
+
+def grad_errors(grads, reference, names=("q", "k", "v", "g", "beta")) -> str:
+    """Each gradient's relative error against the reference's, as "q 3e-03 k ..."."""
+    return " ".join(f"{name} {rel(a.astype(jnp.float32), b):.0e}" for name, a, b in zip(names, grads, reference))
+
+
 DEADLINE = [float("inf")]  # seconds since START after which no new part starts
 
 
@@ -164,10 +183,37 @@ def sweep(shape, inputs, reference, variants) -> None:
             save()
 
 
-def api(shape, inputs, reference, steep: bool = False) -> None:
+def bwd_sweep(shape, inputs, reference_grads) -> None:
+    """The backward kernel alone, on the forward's states and the cotangents of `runners`' loss."""
+    scale = shape[3] ** -0.5
+    q, k, v, g, beta = inputs
+    for chunk, block_heads in BWD_SWEEP:
+        name = f"C{chunk} heads{block_heads}"
+        fn = jax.jit(lambda *x, c=chunk, b=block_heads: kda_backward(*x, scale=scale, chunk=c, block_heads=b))
+
+        def run(chunk=chunk, fn=fn):
+            _, final, states = kda_forward(q, k, v, g, beta, scale=scale, chunk=chunk, with_states=True)
+            args = (q, k, v, g, beta, states, v, jnp.ones_like(final))  # the loss's cotangents: dO = v, dS = 1
+            start = time.perf_counter()
+            dq, dk, dv, dg, dbeta, _ = jax.block_until_ready(fn(*args))
+            compile_s = time.perf_counter() - start
+            # The loss's v gradient also holds o (the loss weighs o by v): v is left out.
+            want = [reference_grads[i] for i in (0, 1, 3, 4)]
+            errors = grad_errors((dq, dk, dg, dbeta), want, ("q", "k", "g", "beta"))
+            return dict(shape=str(shape), variant=name, bwd_ms=round(time_ms(fn, *args), 3), err_grads=errors,
+                        first_call_s=round(compile_s, 1))
+
+        row = guarded(f"bwd {shape} {name}", run)
+        if row:
+            RESULTS["bwd"].append(row)
+            log(str(row))
+            save()
+
+
+def api(shape, inputs, reference, steep: bool = False, reference_grads=None) -> None:
     scale = shape[3] ** -0.5
     rows = RESULTS["steep" if steep else "api"]
-    for platform, chunk in (("pallas_tpu", 64), ("pallas_tpu", 128), ("xla", 64)):
+    for platform, chunk in API:
         forward, backward = runners(platform, scale, chunk)
 
         def run():
@@ -177,6 +223,8 @@ def api(shape, inputs, reference, steep: bool = False) -> None:
                        err_state=f"{rel(final, reference[1]):.1e}")
             if not steep:
                 row["fwd_bwd_ms"] = round(time_ms(backward, *inputs, reps=2, rounds=3), 3)
+                if reference_grads is not None:
+                    row["err_grads"] = grad_errors(backward(*inputs), reference_grads)
             return row
 
         row = guarded(f"{'steep' if steep else 'api'} {shape} {platform} {chunk}", run)
@@ -309,15 +357,15 @@ def run_tests() -> None:
 
     log("tests/ops/kda/test_pallas_tpu*.py, compiled")
     code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/ops/kda/test_pallas_tpu.py",
-                        "tests/ops/kda/test_pallas_tpu_decode.py"])
+                        "tests/ops/kda/test_pallas_tpu_bwd.py", "tests/ops/kda/test_pallas_tpu_decode.py"])
     RESULTS["tests_exit_code"] = int(code)
     save()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tests", action="store_true", help="run tests/ops/kda/test_pallas_tpu.py first")
-    parser.add_argument("--parts", default="sweep,ablate,api,steep,gla,decode")
+    parser.add_argument("--tests", action="store_true", help="run tests/ops/kda/test_pallas_tpu*.py first")
+    parser.add_argument("--parts", default="sweep,ablate,bwd,api,steep,gla,decode")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of SHAPES")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no part starts")
     args = parser.parse_args()
@@ -338,8 +386,13 @@ def main() -> None:
             variants = [v for v in SWEEP if f"C{v[0]} heads{v[1]} passes{v[2]}" in [n for _, n in timed[:2]]]
         if "ablate" in parts and index == 0:
             ablate(shape, inputs)
+        grads = None
+        if "bwd" in parts or "api" in parts:
+            grads = guarded(f"reference gradients {shape}", lambda: reference_grads_fp32(inputs, shape[3] ** -0.5))
+        if "bwd" in parts and grads is not None:
+            bwd_sweep(shape, inputs, grads)
         if "api" in parts:
-            api(shape, inputs, reference)
+            api(shape, inputs, reference, reference_grads=grads)
         if "gla" in parts:
             gla(shape, inputs)
         if "steep" in parts and index == 0:
@@ -347,12 +400,18 @@ def main() -> None:
             api(shape, steep, reference_fp32(steep, shape[3] ** -0.5), steep=True)
     if "decode" in parts:
         decode()
-    print_table(RESULTS["sweep"], ["shape", "variant", "fwd_ms", "err_o", "err_state", "first_call_s"])
-    print_table(RESULTS.get("ablate", []), ["shape", "stubbed", "fwd_ms"])
-    print_table(RESULTS["gla"], ["shape", "platform", "fwd_ms", "err_o_vs_xla"])
-    print_table(RESULTS["decode"], ["op", "platform", "us_per_step", "gbps", "pct_of_elementwise", "err_pool_vs_xla"])
-    print_table(RESULTS["steep"], ["shape", "platform", "chunk", "fwd_ms", "err_o", "err_state"])
-    print_table(RESULTS["api"], ["shape", "platform", "chunk", "fwd_ms", "fwd_bwd_ms", "err_o", "err_state"])
+    tables = [
+        ("sweep", ["shape", "variant", "fwd_ms", "err_o", "err_state", "first_call_s"]),
+        ("ablate", ["shape", "stubbed", "fwd_ms"]),
+        ("gla", ["shape", "platform", "fwd_ms", "err_o_vs_xla"]),
+        ("decode", ["op", "platform", "us_per_step", "gbps", "pct_of_elementwise", "err_pool_vs_xla"]),
+        ("steep", ["shape", "platform", "chunk", "fwd_ms", "err_o", "err_state"]),
+        ("bwd", ["shape", "variant", "bwd_ms", "err_grads", "first_call_s"]),
+        ("api", ["shape", "platform", "chunk", "fwd_ms", "fwd_bwd_ms", "err_o", "err_state", "err_grads"]),
+    ]
+    for part, columns in tables:
+        if RESULTS.get(part):  # the parts that ran
+            print_table(RESULTS[part], columns)
     if RESULTS["errors"]:
         print(f"{len(RESULTS['errors'])} part(s) failed: " + "; ".join(e["what"] for e in RESULTS["errors"]))
 
