@@ -49,7 +49,7 @@ def test_help_lists_the_ops(capsys):
         bench_cli.main(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    assert all(op in text for op in ("kda_decode", "attention_decode", "kda_cp"))
+    assert all(op in text for op in ("kda_decode", "attention_decode", "kda_cp", "kda_layer", "kda_layer_decode"))
 
 
 def test_shape_names():
@@ -60,12 +60,16 @@ def test_shape_names():
     bounds = packed.cu_seqlens()
     assert bounds[0] == 0 and bounds[-1] == 100 and len(bounds) == 6 and (bounds[1:] > bounds[:-1]).all()
     assert shapes.parse("kda_decode-64x32x128").seq_len == 1
+    layer = shapes.parse("kda_layer-8x2048x2048x16x128")
+    assert (layer.batch, layer.seq_len, layer.hidden, layer.heads, layer.head_dim) == (8, 2048, 2048, 16, 128)
+    assert shapes.parse("kda_layer_decode-256x2048x16x128").hidden == 2048
     for name in (*shapes.SMOKE_SHAPES.values(), *(n for names in shapes.BENCHMARK_SHAPES.values() for n in names)):
         assert shapes.parse(name).name == name
 
 
 @pytest.mark.parametrize("name, message", [
     ("kda-1x8192x32", "needs 4 positive integers BATCHxSEQ_LENxHEADSxHEAD_DIM"),
+    ("kda_layer-1x64x2x16", "needs 5 positive integers BATCHxSEQ_LENxHIDDENxHEADSxHEAD_DIM"),
     ("mamba-1x2", "family must be one of"),
     ("kda-1x64x2x16-w8", "takes variants ['varN']"),
     ("kda-2x64x2x16-var4", "packed sequences need batch 1"),

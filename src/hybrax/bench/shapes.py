@@ -11,6 +11,8 @@ A name is a family, its dimensions joined by "x", and optional variants:
     attn-BxTxHxKVxD-segN     the same over N packed sequences of equal length (segment ids)
     kda_decode-BxHxD         one KDA decode step for B requests, H heads, a D x D state per head
     attn_decode-BxCxHxKVxD   one attention decode step for B requests over C cached tokens each
+    kda_layer-BxTxNxHxD      the KimiDeltaAttention layer: B sequences of T tokens of hidden size N, H heads of D
+    kda_layer_decode-BxNxHxD one decode step of that layer for B requests
 
 `BENCHMARK_SHAPES[op]` lists the shapes each op is measured at by default; `SMOKE_SHAPES[op]` one that runs on a
 CPU in seconds.
@@ -31,6 +33,8 @@ FAMILIES = {
     "attn": ("batch", "seq_len", "heads", "kv_heads", "head_dim"),
     "kda_decode": ("batch", "heads", "head_dim"),
     "attn_decode": ("batch", "context", "heads", "kv_heads", "head_dim"),
+    "kda_layer": ("batch", "seq_len", "hidden", "heads", "head_dim"),
+    "kda_layer_decode": ("batch", "hidden", "heads", "head_dim"),
 }
 # family -> the variants it takes (prefix -> Shape field)
 VARIANTS = {"kda": {"var": "sequences"}, "attn": {"w": "window", "seg": "segments"}}
@@ -40,7 +44,8 @@ _VARIANT = re.compile(r"([a-z]+)(\d+)")
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """A parsed shape name. seq_len is 1 for decode steps; kv_heads equals heads outside attention; sequences > 0
-    packs that many sequences of random lengths into the one row; segments > 1 packs equal ones."""
+    packs that many sequences of random lengths into the one row; segments > 1 packs equal ones; hidden is a
+    layer's model width (0 for the ops)."""
 
     name: str
     family: str
@@ -53,6 +58,7 @@ class Shape:
     sequences: int = 0
     window: int | None = None
     segments: int = 1
+    hidden: int = 0
 
     def __post_init__(self) -> None:
         if not self.kv_heads:
@@ -131,6 +137,9 @@ BENCHMARK_SHAPES: dict[str, tuple[str, ...]] = {
     "kda_cp": ("kda-1x32768x16x128",),
     "gla_cp": ("gla-1x32768x16x128",),
     "attention_cp": ("attn-1x32768x16x16x128",),
+    "kda_layer": ("kda_layer-1x8192x2048x16x128", "kda_layer-8x2048x2048x16x128"),
+    "kda_layer_decode": ("kda_layer_decode-1x2048x16x128", "kda_layer_decode-64x2048x16x128",
+                         "kda_layer_decode-256x2048x16x128"),
 }
 SMOKE_SHAPES: dict[str, str] = {
     "kda": "kda-1x64x2x16",
@@ -141,4 +150,6 @@ SMOKE_SHAPES: dict[str, str] = {
     "kda_cp": "kda-1x64x2x16",
     "gla_cp": "gla-1x64x2x16",
     "attention_cp": "attn-1x64x2x2x16",
+    "kda_layer": "kda_layer-1x64x32x2x16",
+    "kda_layer_decode": "kda_layer_decode-2x32x2x16",
 }

@@ -3,8 +3,11 @@
 kda: `chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)`, with cu_seqlens for
 packed shapes; gla: `chunk_gla` (per-key gate) or `chunk_simple_gla` (per-head gate); kda_decode:
 `fused_recurrent_kda_fwd` updating its state in place with the same fused gate, beta sigmoid and L2 norm (the
-plain step: fla's state rows are the requests, no slots). Forward+backward is `torch.autograd.grad` of
-sum(out * d_out). The timer replays the calls from a CUDA graph (`hybrax.bench.timer.time_torch`).
+plain step: fla's state rows are the requests, no slots); kda_layer: the layer `fla.layers.KimiDeltaAttention`
+(package flash-linear-attention) of the same configuration in the benchmark's dtype (A_log and dt_bias fp32, as
+ours keeps them), loaded with our layer's weights (`KimiDeltaAttention.fla_state_dict`), forward without autograd.
+Forward+backward is `torch.autograd.grad` of sum(out * d_out) (for the layer: with respect to x and every
+parameter). The timer replays the calls from a CUDA graph (`hybrax.bench.timer.time_torch`).
 
 JAX and PyTorch share the GPU: run with XLA_PYTHON_CLIENT_PREALLOCATE=false (the runner sets it when fla is
 asked for). fla autotunes each kernel on its first call per shape (about 100 s per head count and direction on
@@ -24,8 +27,9 @@ from hybrax.bench.anchors import require
 from hybrax.bench.shapes import Shape
 from hybrax.bench.workloads.base import Call, Declined, Inputs, check_mode
 from hybrax.bench.workloads.kda_decode import LOWER_BOUND
+from hybrax.bench.workloads.kda_layer import CONV_SIZE
 
-PACKAGES = ("fla-core", "torch", "triton")
+PACKAGES = ("fla-core", "flash-linear-attention", "torch", "triton")
 
 
 def _torch() -> Any:
@@ -45,6 +49,12 @@ def _copied(torch: Any, x: Any, dtype: Any = None) -> Any:
     """A torch copy of the JAX array on the GPU (fla updates it in place)."""
     tensor = torch.from_numpy(np.asarray(jnp.asarray(x, jnp.float32))).cuda()
     return tensor if dtype is None else tensor.to(dtype)
+
+
+def _dtype(torch: Any, dtype: Any) -> Any:
+    """The torch dtype of a JAX dtype of the benchmark (bf16, fp16, else fp32)."""
+    return {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float16): torch.float16}.get(
+        jnp.dtype(dtype), torch.float32)
 
 
 def _numpy(tensor: Any) -> np.ndarray:
@@ -98,8 +108,7 @@ def _kda_decode(torch: Any, shape: Shape, inputs: Inputs, mode: str) -> Call:
     check_mode("fla's kda_decode", mode, ("fwd",))
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    dtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float16): torch.float16}.get(
-        jnp.dtype(inputs["q"].dtype), torch.float32)
+    dtype = _dtype(torch, inputs["q"].dtype)
     q, k, v = (_copied(torch, inputs[name], dtype) for name in ("q", "k", "v"))
     g, beta, a_log, dt_bias = (_copied(torch, inputs[name]) for name in ("g", "beta", "a_log", "dt_bias"))
     state = _copied(torch, inputs["state"]).contiguous()
@@ -111,7 +120,33 @@ def _kda_decode(torch: Any, shape: Shape, inputs: Inputs, mode: str) -> Call:
     return Call(run=step, framework="torch", output=lambda: _numpy(step()[0]))
 
 
-BUILDERS = {"kda": _kda, "gla": _gla, "kda_decode": _kda_decode}
+def _kda_layer(torch: Any, shape: Shape, inputs: Inputs, mode: str) -> Call:
+    layers = require("fla.layers.kda", "flash-linear-attention")
+    dtype = _dtype(torch, inputs["x"].dtype)
+    layer = layers.KimiDeltaAttention(hidden_size=shape.hidden, head_dim=shape.head_dim, num_heads=shape.heads,
+                                      mode="chunk", conv_size=CONV_SIZE).cuda().to(dtype)
+    layer.A_log.data, layer.dt_bias.data = layer.A_log.data.float(), layer.dt_bias.data.float()  # fp32, as ours
+    # load_state_dict copies each tensor into its parameter's device and dtype
+    layer.load_state_dict({name: torch.tensor(value) for name, value in inputs["layer"].fla_state_dict().items()})
+    layer.train()  # fla's chunked KDA at every length (in eval mode it takes its token-by-token kernel up to 64)
+    x = _shared(torch, inputs["x"])
+    if mode == "fwd":
+        def forward():
+            with torch.no_grad():
+                return layer(x)[0]
+
+        return Call(run=forward, framework="torch", output=lambda: _numpy(forward()))
+    trainable = x.detach().clone().requires_grad_()
+    wrt = [trainable, *layer.parameters()]
+    cotangent = _shared(torch, inputs["d_out"]).to(dtype)
+
+    def run():
+        return torch.autograd.grad(layer(trainable)[0], wrt, cotangent)
+
+    return Call(run=run, framework="torch", memory_mb=lambda: peak_mb(torch, run))
+
+
+BUILDERS = {"kda": _kda, "gla": _gla, "kda_decode": _kda_decode, "kda_layer": _kda_layer}
 
 
 def build(name: str, op: str, shape: Shape, inputs: Inputs, mode: str) -> Call:
