@@ -102,7 +102,8 @@ def _convolved(layer: KimiDeltaAttention, q: jax.Array, k: jax.Array, v: jax.Arr
     return tuple(conv.convolve(t, None) for conv, t in zip(layer._convs(), (q, k, v)))
 
 
-def _attended(layer: KimiDeltaAttention, q, k, v, g, beta) -> jax.Array:
+def _attended(layer: KimiDeltaAttention, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+              beta: jax.Array) -> jax.Array:
     return kernel_delta_attention(*layer._heads(q, k, v), beta, g, use_chunked=layer.mode == "chunk",
                                   **layer._gate_options())
 
