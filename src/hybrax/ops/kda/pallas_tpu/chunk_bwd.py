@@ -17,8 +17,8 @@ state's, written at the last. Everything else is per chunk, so one pass does the
 inputs' gradients leaves the kernel.
 
 Layout as the forward's: [B, T, heads * 128] lane-dense blocks (K and V padded to 128, T to the chunk), per-head
-decays, beta and their gradients as [B, HV, T, 1] columns. dq and dk come out per value head in fp32 and are
-summed over the value heads of each query/key head afterwards (GQA).
+decays, beta and their gradients as [B, HV, T, 1] columns. dq and dk come out per value head: in q's dtype, or
+with GQA in fp32, summed over the value heads of each query/key head afterwards.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _head_backward(x: HeadChunk, scores, steep, head: int, qk_head: int, refs, *
         qk_lanes = _lanes(qk_head)
         dq = l2_normalize_bwd(q_ref[:, qk_lanes].astype(jnp.float32), dq)
         dk = l2_normalize_bwd(k_ref[:, qk_lanes].astype(jnp.float32), dk)
-    dq_ref[:, lanes], dk_ref[:, lanes] = dq, dk
+    dq_ref[:, lanes], dk_ref[:, lanes] = dq.astype(dq_ref.dtype), dk.astype(dk_ref.dtype)
     dv_ref[:, lanes] = grads.dv.astype(dv_ref.dtype)
     dbeta_ref[head] = grads.dbeta
     dg = gate_gradient(grads.dg + x.q * y_q + x.k * (y_k - z), grads.d_total, x.g)
@@ -118,6 +118,8 @@ def _launch(q, k, v, g, beta, states, d_out, d_final, *, chunk, block_heads, gro
     state = pl.BlockSpec((None, block_heads, LANES, LANES), lambda b, h, t: (b, h, 0, 0))
     states_block = pl.BlockSpec((None, block_heads, None, LANES, LANES), lambda b, h, t: (b, h, last - t, 0, 0))
     rows = jax.ShapeDtypeStruct((batch, padded, value_heads * LANES), jnp.float32)
+    # dq, dk per value head: in q's dtype unless a group's value heads are summed afterwards.
+    qk_rows = jax.ShapeDtypeStruct(rows.shape, q.dtype if group == 1 else jnp.float32)
     columns = jax.ShapeDtypeStruct((batch, value_heads, padded, 1), jnp.float32)
     return tuple(pallas_call(
         kernel,
@@ -125,7 +127,7 @@ def _launch(q, k, v, g, beta, states, d_out, d_final, *, chunk, block_heads, gro
         in_specs=[qk_block, qk_block, head_block, column if per_head else head_block, column, states_block,
                   head_block, state],
         out_specs=[head_block, head_block, head_block, column if per_head else head_block, column, state],
-        out_shape=[rows, rows, jax.ShapeDtypeStruct(v.shape, v.dtype), columns if per_head else rows, columns,
+        out_shape=[qk_rows, qk_rows, jax.ShapeDtypeStruct(v.shape, v.dtype), columns if per_head else rows, columns,
                    jax.ShapeDtypeStruct(d_final.shape, jnp.float32)],
         scratch_shapes=[pltpu.VMEM((block_heads, LANES, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
