@@ -45,8 +45,8 @@ from hybrax.ops.kda.pallas_tpu.dots import Dot
 from hybrax.ops.pallas_shared import pallas_call
 
 
-def _head_backward(x: HeadChunk, scores, steep, head: int, qk_head: int, refs, *, scale, l2_normalize, per_head,
-                   dot: Dot, solve_dot: Dot) -> None:
+def _head_backward(x: HeadChunk, scores: tuple[jax.Array, jax.Array], steep: jax.Array, head: int, qk_head: int,
+                   refs: tuple, *, scale: float, l2_normalize: bool, per_head: bool, dot: Dot, solve_dot: Dot) -> None:
     """One head's chunk: the state step in reverse (dS' updated in place) and the chunk's gradients written."""
     q_ref, k_ref, v_ref, states_ref, d_out_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, d_state_ref = refs
     lanes = _lanes(head)
