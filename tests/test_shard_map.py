@@ -204,8 +204,8 @@ def test_attention_decode_pool(backend):
     check_sharded(step, (q, k, v, k_pool, v_pool, slots, lengths), specs, BATCH_HEADS, platform)
 
 
-PALLAS_MODULES = ["hybrax.ops.attention.pallas_flash", "hybrax.ops.kda.pallas_chunked", "hybrax.ops.kda.pallas_decode",
-                  "hybrax.serving.attention_pool", "hybrax.serving.kda_pool"]
+PALLAS_MODULES = ["hybrax.ops.attention.pallas_flash", "hybrax.ops.kda.pallas_gpu.chunked",
+                  "hybrax.ops.kda.decode.pallas_gpu", "hybrax.serving.attention_pool", "hybrax.serving.kda_pool"]
 
 
 def lowering_cases():

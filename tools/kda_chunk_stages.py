@@ -25,14 +25,14 @@ import numpy as np
 from hybrax.bench.shapes import parse
 from hybrax.bench.timer import SMOKE_BUDGET, Budget, time_jax
 from hybrax.bench.workloads.kda import make_inputs
-from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_fwd import prepare_qk
-from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
-from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
-from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
-from hybrax.ops.kda.pallas_chunk_state import chunk_state, chunk_state_output
-from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
-from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
+from hybrax.ops.kda.pallas_gpu.chunk_cumsum import chunk_local_cumsum
+from hybrax.ops.kda.pallas_gpu.chunk_fwd import prepare_qk
+from hybrax.ops.kda.pallas_gpu.chunk_grad import chunk_grad
+from hybrax.ops.kda.pallas_gpu.chunk_intra import chunk_intra
+from hybrax.ops.kda.pallas_gpu.chunk_intra_bwd import chunk_intra_bwd
+from hybrax.ops.kda.pallas_gpu.chunk_state import chunk_state, chunk_state_output
+from hybrax.ops.kda.pallas_gpu.chunk_state_bwd import chunk_state_bwd
+from hybrax.ops.kda.pallas_gpu.chunk_wy import chunk_wy
 
 CHUNK = 64
 

@@ -26,8 +26,8 @@ from hybrax.bench.shapes import BENCHMARK_SHAPES, parse
 from hybrax.bench.timer import SMOKE_BUDGET, Budget, time_jax
 from hybrax.bench.workloads import decode
 from hybrax.bench.workloads.kda_decode import LOWER_BOUND, make_inputs
-from hybrax.ops.kda.cuda_decode import fused_recurrent_decode_cuda
-from hybrax.ops.kda.pallas_decode import fused_recurrent_decode
+from hybrax.ops.kda.decode.cuda import fused_recurrent_decode_cuda
+from hybrax.ops.kda.decode.pallas_gpu import fused_recurrent_decode
 
 
 def launches(text: str) -> list[tuple[int, int, bool]]:

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from hybrax.bench.shapes import parse
 from hybrax.bench.timer import SMOKE_BUDGET, Budget, time_jax
 from hybrax.bench.workloads.kda import make_inputs
-from hybrax.ops.kda import pallas_chunk_intra
-from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
+from hybrax.ops.kda.pallas_gpu import chunk_intra as pallas_chunk_intra
+from hybrax.ops.kda.pallas_gpu.chunk_cumsum import chunk_local_cumsum
 
 CHUNK = 64
 

@@ -17,7 +17,7 @@ import pytest
 
 from hybrax.ops import cuda_build
 from hybrax.ops.attention.pallas_pool_decode import PoolGeometry, pool_decode_splits
-from hybrax.ops.kda import pallas_decode
+from hybrax.ops.kda.decode import pallas_gpu as pallas_decode
 from hybrax.serving import (
     attention_decode_pool, kda_decode_pool, kda_prefill_pool, short_conv_decode, short_conv_prefill,
 )
@@ -180,7 +180,7 @@ def test_attention_decode_pool(platform, tokens):
 
 def run_kda_kernel(kernel, inputs, pool, slots, token_slots):
     if kernel == "cuda":
-        from hybrax.ops.kda.cuda_decode import fused_recurrent_decode_cuda
+        from hybrax.ops.kda.decode.cuda import fused_recurrent_decode_cuda
 
         return fused_recurrent_decode_cuda(*inputs, pool, slots, scale=0.25)
     return pallas_decode.fused_recurrent_decode(*inputs, pool, slots, token_slots, scale=0.25, interpret=not ON_GPU)

@@ -10,9 +10,10 @@ import pytest
 
 from hybrax import kernel_delta_attention
 from hybrax.ops import cuda_build
-from hybrax.ops.kda import cuda_decode, reference
+from hybrax.ops.kda import reference
 from hybrax.ops.kda.api import KernelDeltaAttention
-from hybrax.ops.kda.cuda_decode import LAUNCHES, fused_recurrent_decode_cuda
+from hybrax.ops.kda.decode import cuda as cuda_decode
+from hybrax.ops.kda.decode.cuda import LAUNCHES, fused_recurrent_decode_cuda
 from hybrax.serving import kda_pool
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, on_h200, to64
 

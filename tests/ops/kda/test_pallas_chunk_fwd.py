@@ -15,16 +15,16 @@ import pytest
 
 from hybrax.core import lookup
 from hybrax.ops.kda import api, reference
-from hybrax.ops.kda import pallas_chunked  # noqa: F401  (registers pallas:chunked)
-from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum, gate_gradient
-from hybrax.ops.kda.pallas_chunk_fwd import kda_chunk_fwd, prepare_qk
-from hybrax.ops.kda.pallas_chunk_intra import chunk_intra, unit_lower_inverse
-from hybrax.ops.kda.pallas_chunk_state import (
+from hybrax.ops.kda.pallas_gpu import chunked  # noqa: F401  (registers pallas:chunked)
+from hybrax.ops.kda.pallas_gpu.chunk_cumsum import chunk_local_cumsum, gate_gradient
+from hybrax.ops.kda.pallas_gpu.chunk_fwd import kda_chunk_fwd, prepare_qk
+from hybrax.ops.kda.pallas_gpu.chunk_intra import chunk_intra, unit_lower_inverse
+from hybrax.ops.kda.pallas_gpu.chunk_state import (
     Segments, chunk_state, chunk_state_output, default_block_v, output_block_v,
 )
-from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
-from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
-from hybrax.ops.kda.pallas_tiles import PackedChunks
+from hybrax.ops.kda.pallas_gpu.chunk_state_bwd import chunk_state_bwd
+from hybrax.ops.kda.pallas_gpu.chunk_wy import chunk_wy
+from hybrax.ops.kda.pallas_gpu.tiles import PackedChunks
 from hybrax.ops.pallas_shared import EXACT
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, on_h200, to64
 

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrax.ops.kda import pallas_decode, reference
+from hybrax.ops.kda import reference
 from hybrax.ops.kda.api import KernelDeltaAttentionConfig
-from hybrax.ops.kda.pallas_decode import MAX_UNROLLED_TOKENS, fused_recurrent_decode
+from hybrax.ops.kda.decode import pallas_gpu as pallas_decode
+from hybrax.ops.kda.decode.pallas_gpu import MAX_UNROLLED_TOKENS, fused_recurrent_decode
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal, to64
 from tests.ops.kda.oracle import loss_weights, oracle_outputs_and_gradients, our_gradients, ours
 

@@ -10,9 +10,13 @@ from typing import Any
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import default_executor
-from hybrax.ops.kda import cuda_decode, pallas_chunked, pallas_decode, xla_chunked, xla_scan  # noqa: F401 (register)
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttention, KernelDeltaAttentionConfig
-from hybrax.ops.kda.pallas_tpu import decode, register  # noqa: F401 (register)
+
+# Each implementation registers itself when imported; one subpackage per backend family.
+from hybrax.ops.kda.decode import cuda as _decode_cuda, pallas_gpu as _decode_pallas_gpu  # noqa: F401
+from hybrax.ops.kda.pallas_gpu import chunked as _pallas_gpu_chunked  # noqa: F401
+from hybrax.ops.kda.pallas_tpu import decode as _pallas_tpu_decode, register as _pallas_tpu_chunked  # noqa: F401
+from hybrax.ops.kda.xla import chunked as _xla_chunked, scan as _xla_scan  # noqa: F401
 
 __all__ = ["OP_ID", "KdaProblem", "KernelDeltaAttention", "KernelDeltaAttentionConfig", "kda_attention",
            "kernel_delta_attention"]

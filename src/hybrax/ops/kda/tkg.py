@@ -10,8 +10,8 @@ JAX arrays are immutable: the step returns the new state. Under `jax.jit(kda_tkg
 donate_argnums=8)` the new state takes S's buffer (in place). `out` is the seed's caller-allocated
 destination: its shape is checked and its dtype is the output's.
 
-On a GPU the step is the fused CUDA decode kernel (`cuda_decode`, where nvcc can build it) or the fused Pallas
-one (`pallas_decode`); elsewhere the XLA step.
+On a GPU the step is the fused CUDA decode kernel (`decode.cuda`, where nvcc can build it) or the fused Pallas
+one (`decode.pallas_gpu`); elsewhere the XLA step.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from hybrax.core.validate import check_floating, check_rank, check_shape, is_concrete
-from hybrax.ops.kda import cuda_decode, pallas_decode
+from hybrax.ops.kda.decode import cuda as cuda_decode
+from hybrax.ops.kda.decode import pallas_gpu as pallas_decode
 from hybrax.ops.kda.gate import fused_gate
-from hybrax.ops.kda.xla_scan import delta_step, l2_normalize
+from hybrax.ops.kda.xla.scan import delta_step, l2_normalize
 from hybrax.ops.pallas_shared import interpret_here
 
 

@@ -7,7 +7,7 @@ and the state pass with the WY pair (w, u) = (0, v) turns KDA's v_new = u - w S 
 about what KDA's does (the intra kernel also builds a WY form that beta = 0 makes the identity: the price of
 sharing the kernels). The backward runs KDA's backward stages on the same substitution: with w = 0 every term
 through the WY form vanishes, and the gradient of v is the state pass's dv_new, since v_new = v (`delta_rule`
-in `ops/kda/pallas_chunk_*.py`).
+in `ops/kda/pallas_gpu/chunk_*.py`).
 
 It takes gates along the key axis (g per head or per key channel, g_gamma, gk) and packed sequences
 (cu_seqlens, read in place as KDA's); a value gate gv and reverse stay with XLA. Grouped heads are repeated up to
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from hybrax.core import Invocation, register, vary_like
-from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM
-from hybrax.ops.kda.pallas_chunked import chunk_reason, run_chunked
+from hybrax.ops.kda.pallas_gpu.chunk_fwd import MAX_HEAD_DIM
+from hybrax.ops.kda.pallas_gpu.chunked import chunk_reason, run_chunked
 from hybrax.ops.recurrent.base import OP_ID, RecurrentAttentionConfig, RecurrentProblem
 from hybrax.ops.recurrent.engine import expand_heads, key_log_decay
 

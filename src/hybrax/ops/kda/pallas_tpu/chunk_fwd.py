@@ -233,7 +233,7 @@ def kda_forward(
 ) -> tuple[jax.Array, ...]:
     """KDA forward on the TPU: o [B, T, HV, V] in v's dtype and the final state [B, HV, K, V] fp32; with
     `with_states` also the state entering each chunk [B, HV, NC, K, V] fp32 (NC = ceil(T / chunk): what
-    `xla_chunked.chunked_backward` takes). Without `delta_rule`, gated linear attention (beta unused, no
+    `xla.chunked.chunked_backward` takes). Without `delta_rule`, gated linear attention (beta unused, no
     solve): S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
 
     g is the activated log decay (<= 0), per key channel (Kd = K) or per head (Kd = 1); beta activated.

@@ -1,5 +1,5 @@
 """KDA decode on NVIDIA GPUs in CUDA C++ (`cuda_decode.cu`, built with nvcc at first use): the fused step of
-`pallas_decode`, one token per request, the state in place.
+`pallas_gpu.py` beside it, one token per request, the state in place.
 
 Registered under platform "cuda" for `kernel_delta_attention`'s T = 1 path and for `kda_decode_pool`, above the
 Pallas kernel: on the H200 it streams the state faster (H200 measurements). It takes one token per request, the
@@ -21,8 +21,8 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import Invocation, register
 from hybrax.ops import cuda_build
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.pallas_decode import GATES, step_scalars
-from hybrax.ops.kda.xla_scan import kda_single_step
+from hybrax.ops.kda.decode.pallas_gpu import GATES, step_scalars
+from hybrax.ops.kda.xla.scan import kda_single_step
 
 SOURCE = Path(__file__).with_name("cuda_decode.cu")
 TARGET = "hybrax_kda_decode"
@@ -98,7 +98,7 @@ def fused_recurrent_decode_cuda(
     programmatic_launch: bool = False,
 ) -> tuple[Float[Array, "B 1 HV V"], Float[Array, "S HV K V"]]:
     """One token for each of B requests; returns (o in q's dtype, the new state). Arguments as
-    `pallas_decode.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b.
+    `pallas_gpu.fused_recurrent_decode` (one token, K-first state); without `slots` request b owns row b.
     `programmatic_launch` (Hopper and later) lets the step start while the kernel before it finishes: its blocks
     wait for that kernel's writes before reading anything."""
     if gate not in GATES:

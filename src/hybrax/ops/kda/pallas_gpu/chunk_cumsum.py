@@ -1,7 +1,7 @@
 """KDA chunked, stage 0 (Pallas, Triton lowering): the chunk-local cumulative log decay, and its backward.
 
 G[t] = sum of g over the tokens of t's chunk up to and including t, in fp32, the gates clamped at -1e30 so
-that G is finite for any gate <= 0 (`pallas_chunk_gates`). Its backward (`gate_gradient`) sums dG from t to
+that G is finite for any gate <= 0 (`chunk_gates`). Its backward (`gate_gradient`) sums dG from t to
 the chunk's end. One program per (chunk, value head, batch); memory-bound (one read, one write). XLA's own
 cumsum on the GPU may lower to an O(C^2) reduce-window; this is one pass.
 """
@@ -16,8 +16,8 @@ from jax import lax
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
 
-from hybrax.ops.kda.pallas_chunk_gates import UNDERFLOW, clamp, steep_chunk
-from hybrax.ops.kda.pallas_tiles import (
+from hybrax.ops.kda.pallas_gpu.chunk_gates import UNDERFLOW, clamp, steep_chunk
+from hybrax.ops.kda.pallas_gpu.tiles import (
     PackedChunks, chunk_rows_spec, chunk_window, packed_chunk_specs, split_packed, token_rows_spec,
 )
 from hybrax.ops.pallas_shared import pallas_call
@@ -27,7 +27,7 @@ def _cumsum_kernel(g_ref, *refs, chunk: int):
     """Row by row in straight-line code: each thread carries its channels down the chunk, so the sum needs no
     exchange between threads, no shared memory and no barrier, and every row's load can be issued ahead. (A
     scan over the [C, K] tile went through shared memory, 32 KB per program, which held an H200 SM to six
-    programs at 3.2 TB/s.) Launched heads first (`pallas_tiles`); 4 warps: alone 2 warps were as fast, inside
+    programs at 3.2 TB/s.) Launched heads first (`tiles`); 4 warps: alone 2 warps were as fast, inside
     the forward 4 were 0.003-0.005 ms faster at (1, 8192, 32, 128) (H200 measurements)."""
     packed_refs, (out_ref,) = split_packed(refs, len(refs) == 3)
     g = chunk_window(g_ref, packed_refs, chunk)
@@ -41,7 +41,7 @@ def _gate_gradient_kernel(dg_ref, g_ref, raw_ref, *refs, chunk: int):
     """dg from dG: sums up the chunk, as `_cumsum_kernel` sums down it. A gate below UNDERFLOW decays by exactly
     0 in fp32, so its gradient is 0 (every term that holds it carries that 0), where the sum leaves the rounding
     of the terms that cancel there, which the fused gate multiplies by the gate itself (its a_log gradient): in
-    a steep chunk, the only kind that holds such a gate (`pallas_chunk_gates.steep_chunk`), those rows get 0."""
+    a steep chunk, the only kind that holds such a gate (`chunk_gates.steep_chunk`), those rows get 0."""
     packed_refs, (out_ref,) = split_packed(refs, len(refs) == 3)
     raw = chunk_window(raw_ref, packed_refs, chunk)
     rows = range(chunk - 1, -1, -1)

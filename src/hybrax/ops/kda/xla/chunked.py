@@ -42,7 +42,7 @@ from jax import lax
 
 from hybrax.core import Invocation, register, vary_like
 from hybrax.ops.kda.base import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.xla_scan import EXACT, value_head_qk
+from hybrax.ops.kda.xla.scan import EXACT, value_head_qk
 
 SUB_CHUNK = 16
 GATE_FLOOR = -1e30  # log decays are clamped here (exactly: see the module docstring)

@@ -1,6 +1,6 @@
 """How the KDA Pallas kernels exponentiate log decays: exactly for every gate <= 0, -inf included.
 
-Stage 0 (`pallas_chunk_cumsum`) sums each chunk's gates into G (G_i: the decay from the chunk's start through
+Stage 0 (`chunk_cumsum`) sums each chunk's gates into G (G_i: the decay from the chunk's start through
 row i), and the per-chunk kernels' fast arithmetic exponentiates differences of it: exp(G_i - G_j) in the
 scores, exp(G_last - G) for the keys' decay to the chunk's end. A difference of two fp32 cumulative sums keeps
 the rounding of the larger one: after a gate of -1000 G sits near -1000, where one rounding step is 6e-5, and
@@ -17,12 +17,12 @@ a gate of -1e30 swallows every later gate of the chunk (G_i - G_j = 0 for any la
   wherever it lies between.
 
 Gates enter clamped at FLOOR = -1e30 (`clamp`; stage 0 clamps the gates it sums too, so G is always finite,
-never -inf), as XLA's chunked path clamps them (`xla_chunked.GATE_FLOOR`). That is exact: every exponent that
+never -inf), as XLA's chunked path clamps them (`xla.chunked.GATE_FLOOR`). That is exact: every exponent that
 holds a clamped gate is <= -1e30, and exp of it is 0 in fp32, as exp of the true sum (down to -inf) is; a sum
 of 128 of them (-1.3e32) stays far from fp32's limit, so no -inf - -inf or 0 * inf ever arises. The gradient
 w.r.t. such a gate is 0 (every term that holds it carries its exp, 0): the backward's dg, a suffix sum of dG
 within the chunk in which the terms of the pairs after the gate cancel, is set to 0 at every gate below
-UNDERFLOW (`pallas_chunk_cumsum.gate_gradient`), so that the fused gate's a_log gradient (dg times the gate)
+UNDERFLOW (`chunk_cumsum.gate_gradient`), so that the fused gate's a_log gradient (dg times the gate)
 does not multiply that rounding by -1e30.
 """
 
@@ -34,8 +34,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hybrax.ops.kda.pallas_tiles import SUB
-from hybrax.ops.kda.xla_chunked import GATE_FLOOR
+from hybrax.ops.kda.pallas_gpu.tiles import SUB
+from hybrax.ops.kda.xla.chunked import GATE_FLOOR
 
 # The largest decay within one sub-chunk (the decay from the row before it through its last row, in any
 # channel) that the fast arithmetic takes: its factors stay within exp(60) = 1e26, far from fp32's limits

@@ -1,11 +1,11 @@
 """KDA chunked backward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    recompute  the forward's stages 0-2 (`pallas_chunk_fwd.forward_stages`) from the T and A_qk the
-               forward kept: G, w, kg, qg (pallas_chunk_wy), the chunk states h and v_new
-    stage 2'   pallas_chunk_state_bwd   the state pass in reverse: dh per chunk, dv_new, d initial state
-    stage 1'   pallas_chunk_grad        the chunk-local gradients, dA_qk and dA_kk (per chunk)
-    stage 1''  pallas_chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)
-    stage 0'   pallas_chunk_cumsum      dg from dG, a suffix sum within each chunk (`gate_gradient`)
+    recompute  the forward's stages 0-2 (`chunk_fwd.forward_stages`) from the T and A_qk the
+               forward kept: G, w, kg, qg (chunk_wy), the chunk states h and v_new
+    stage 2'   chunk_state_bwd   the state pass in reverse: dh per chunk, dv_new, d initial state
+    stage 1'   chunk_grad        the chunk-local gradients, dA_qk and dA_kk (per chunk)
+    stage 1''  chunk_intra_bwd   the gradients through A_qk and A_kk (per chunk)
+    stage 0'   chunk_cumsum      dg from dG, a suffix sum within each chunk (`gate_gradient`)
 
 then (XLA) the sums over the value heads of a key head, the L2 norm's and the scale's backward.
 """
@@ -18,15 +18,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from hybrax.ops.kda.pallas_chunk_cumsum import gate_gradient
-from hybrax.ops.kda.pallas_chunk_fwd import (
+from hybrax.ops.kda.pallas_gpu.chunk_cumsum import gate_gradient
+from hybrax.ops.kda.pallas_gpu.chunk_fwd import (
     Packing, Solved, forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to,
 )
-from hybrax.ops.kda.pallas_chunk_grad import chunk_grad
-from hybrax.ops.kda.pallas_chunk_intra_bwd import chunk_intra_bwd
-from hybrax.ops.kda.pallas_chunk_state import Segments
-from hybrax.ops.kda.pallas_chunk_state_bwd import chunk_state_bwd
-from hybrax.ops.kda.xla_chunked import from_packed_rows
+from hybrax.ops.kda.pallas_gpu.chunk_grad import chunk_grad
+from hybrax.ops.kda.pallas_gpu.chunk_intra_bwd import chunk_intra_bwd
+from hybrax.ops.kda.pallas_gpu.chunk_state import Segments
+from hybrax.ops.kda.pallas_gpu.chunk_state_bwd import chunk_state_bwd
+from hybrax.ops.kda.xla.chunked import from_packed_rows
 
 
 def _per_key_head(x: jax.Array, heads: int) -> jax.Array:

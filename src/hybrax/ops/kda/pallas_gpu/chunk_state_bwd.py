@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from hybrax.ops.kda.pallas_chunk_state import (
+from hybrax.ops.kda.pallas_gpu.chunk_state import (
     Segments, chunk_scalars, emit, restart, state_pass_call, state_tile,
 )
 from hybrax.ops.pallas_shared import dot_settings, mm_tn

@@ -1,6 +1,6 @@
-// KDA decode step on NVIDIA GPUs, CUDA C++ behind the XLA FFI (built by cuda_decode.py with nvcc at first use).
+// KDA decode step on NVIDIA GPUs, CUDA C++ behind the XLA FFI (built by cuda.py with nvcc at first use).
 //
-// Same math as pallas_decode.py, one token per request:
+// Same math as pallas_gpu.py, one token per request:
 //     q, k  <- L2-normalized (x * rsqrt(sum x^2 + 1e-6)) when asked, q scaled
 //     g     <- the fused gate (activated, softplus or bounded), beta <- sigmoid(beta) when logits
 //     S' = Diag(exp g) S;  e = beta (v - S'^T k);  S = S' + k e^T;  o = S'^T q + (k . q) e

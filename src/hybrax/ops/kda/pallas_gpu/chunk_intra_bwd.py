@@ -7,10 +7,10 @@ D = dA_kk (j < i), A_qk[i, j] = sum_c q_ic k_jc E_ijc and A_kk[i, j] = beta_i su
     column     Z[j]   = sum_i (P_ij q_i + beta_i D_ij k_i) E_ij
     dq = Y_q,  dk = beta Y_k + Z,  dbeta = sum_c k Y_k,  dG = q Y_q + beta k Y_k - k Z
 
-Taken from whole [C, C] tiles, as the forward's `pallas_chunk_intra` builds them: per K slice and per
+Taken from whole [C, C] tiles, as the forward's `chunk_intra` builds them: per K slice and per
 sub-chunk a (16 rows), the rows of a against every column in [C, C] x [C, BK] dots, with
 exp(G_i - G_j) split at a's first row r (exp(G_i - G_r) on the rows, exp(G_r - G_j) on the columns;
-rows outside a are dropped by the row factor, zero there). A steep chunk (`pallas_chunk_gates`: a sub-chunk
+rows outside a are dropped by the row factor, zero there). A steep chunk (`chunk_gates`: a sub-chunk
 decays by more than exp(STEEP), where the split factors would overflow and differences of G cancel) takes every
 pair column by column instead, each decay summed from the per-token gates. Each K slice's rows of dq, dk, dG
 are final when its pass ends. On the H200 at (1, 8192, 32, 128) this took 1.245 ms against 1.346 for 16x16
@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_gates import STEEP, pair_exponents, steep_chunk
-from hybrax.ops.kda.pallas_tiles import (
+from hybrax.ops.kda.pallas_gpu.chunk_gates import STEEP, pair_exponents, steep_chunk
+from hybrax.ops.kda.pallas_gpu.tiles import (
     SUB, PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_windows, index_grid, packed_chunk_specs,
     pipeline_stages, split_packed, token_column_spec, token_rows_spec,
 )

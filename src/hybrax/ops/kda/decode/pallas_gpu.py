@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, register
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.xla_scan import inverse_l2_norm, kda_single_step
+from hybrax.ops.kda.xla.scan import inverse_l2_norm, kda_single_step
 from hybrax.ops.pallas_shared import interpret_here, pallas_call
 
 GATES = ("activated", "softplus", "bounded")

@@ -5,7 +5,7 @@ One program per (chunk, value head, batch). With G the chunk-local cumulative lo
     A_kk[i, j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)   (j < i)    ->  T = (I + A_kk)^-1 is stored
     A_qk[i, j] =        sum_c q_ic k_jc exp(G_ic - G_jc)   (j <= i)   ->  stored
 
-and then, from T in registers, the WY form and the decayed keys and queries (`pallas_chunk_wy.write_wy`).
+and then, from T in registers, the WY form and the decayed keys and queries (`chunk_wy.write_wy`).
 q and k come in raw: their L2 norms and the scale enter as row and column factors of the scores and
 row factors of the WY form (`row_factors`), so the forward writes no normalized copies first.
 
@@ -17,7 +17,7 @@ b's own decay. Two [C, BK] exps per K slice (each row against its own sub-chunk'
 every sub-chunk (earlier forms loaded two per sub-chunk). A steep chunk (some sub-chunk decays
 by more than exp(STEEP) in some channel: gates of -1000, -1e30, -inf) takes the whole tile column by column
 instead, and its WY form too, from the per-token gates, each decay a sum of only the gates between its two
-positions (`pallas_chunk_gates`): the kernel never overflows, never cancels two large cumulative gates, and
+positions (`chunk_gates`): the kernel never overflows, never cancels two large cumulative gates, and
 very negative gates underflow to exactly 0.
 Three quarters of each dot's left operand is zeros: on the H200 the tensor cores absorb that, and this
 took stage 1 from 1.07 ms (16x16 block dots, then a separate WY kernel) to 0.80 ms at
@@ -38,14 +38,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_gates import EXACT_BLOCK_K, STEEP, pair_exponents, steep_chunk
-from hybrax.ops.kda.pallas_chunk_wy import write_wy_either, wy_specs
-from hybrax.ops.kda.pallas_tiles import (
+from hybrax.ops.kda.pallas_gpu.chunk_gates import EXACT_BLOCK_K, STEEP, pair_exponents, steep_chunk
+from hybrax.ops.kda.pallas_gpu.chunk_wy import write_wy_either, wy_specs
+from hybrax.ops.kda.pallas_gpu.tiles import (
     SUB, PackedChunks, chunk_rows_spec, chunk_windows, index_grid, packed_chunk_specs, pipeline_stages, split_packed,
     token_column_spec, token_rows_spec,
 )
 from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, pallas_call, solve_precision
-from hybrax.ops.kda.xla_scan import inverse_l2_norm
+from hybrax.ops.kda.xla.scan import inverse_l2_norm
 
 
 def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:
@@ -108,7 +108,7 @@ def _exact_scores(q_ref, k_ref, raw_ref, *, block_k: int) -> tuple[jax.Array, ja
     exp(sum_{j < t <= i} g_t) summed from the per-token gates (`pair_exponents`: no factor above 1; 1 on the
     diagonal and above it, where callers drop the entries). K in slices of `block_k`: whole [C, K] fp32 tiles of
     q, k and the gates would hold registers that every program pays for (at sm_90, this rarely taken branch
-    alone spilled more than half of the kernel's spill bytes; `pallas_chunk_gates.EXACT_BLOCK_K`)."""
+    alone spilled more than half of the kernel's spill bytes; `chunk_gates.EXACT_BLOCK_K`)."""
     chunk, dk = q_ref.shape
     _, cols = index_grid(chunk)
 

@@ -1,10 +1,10 @@
 """`kernel_delta_attention`'s "pallas:chunked" implementation: the Pallas forward
-(`pallas_chunk_fwd`) and backward (`pallas_chunk_bwd`) joined by a custom VJP.
+(`chunk_fwd`) and backward (`chunk_bwd`) joined by a custom VJP.
 
 The backward keeps the forward's inputs, T = (I + A_kk)^-1 and A_qk (2 x [B, T, HV, 64] in the
 input dtype: the most expensive stage to recompute, the cheapest to keep) and recomputes the other
 chunk-local terms and the chunk states, as flash-linear-attention does. Packed sequences (cu_seqlens)
-are laid out as XLA chunked lays them out (`xla_chunked.packed_layout`: each sequence from a chunk
+are laid out as XLA chunked lays them out (`xla.chunked.packed_layout`: each sequence from a chunk
 boundary), and the state kernels restart per sequence. The forward's first kernels (the gate cumsum,
 stage 1), and the backward's, read each chunk's rows of the packed inputs in place; the output and the
 inputs' gradients are gathered back to the tokens. Not supported
@@ -20,11 +20,11 @@ import jax.numpy as jnp
 
 from hybrax.core import Invocation, register, vary_like
 from hybrax.ops.kda.base import CHUNK_SIZES, OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.pallas_chunk_bwd import kda_chunk_bwd
-from hybrax.ops.kda.pallas_chunk_fwd import MAX_HEAD_DIM, Packing, kda_chunk_fwd, kda_chunk_fwd_solved
-from hybrax.ops.kda.pallas_chunk_state import Segments
-from hybrax.ops.kda.pallas_tiles import PackedChunks
-from hybrax.ops.kda.xla_chunked import Layout, from_packed_rows, packed_layout
+from hybrax.ops.kda.pallas_gpu.chunk_bwd import kda_chunk_bwd
+from hybrax.ops.kda.pallas_gpu.chunk_fwd import MAX_HEAD_DIM, Packing, kda_chunk_fwd, kda_chunk_fwd_solved
+from hybrax.ops.kda.pallas_gpu.chunk_state import Segments
+from hybrax.ops.kda.pallas_gpu.tiles import PackedChunks
+from hybrax.ops.kda.xla.chunked import Layout, from_packed_rows, packed_layout
 from hybrax.ops.pallas_shared import interpret_here
 
 STATIC = ("scale", "l2_normalize", "chunk", "interpret", "delta_rule")

@@ -1,17 +1,17 @@
 """KDA chunked forward on the GPU with Pallas (Triton lowering): the stages end to end.
 
-    stage 0  pallas_chunk_cumsum    the chunk-local gate cumsum G
-    stage 1  pallas_chunk_intra     q, k L2-normalized and q scaled (as row factors), A_kk, A_qk,
-                                    T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and
-                                    the chunk's decay (per chunk; the backward, which keeps T and A_qk,
-                                    recomputes the rest with pallas_chunk_wy)
-    stage 2  pallas_chunk_state     the state pass, state on chip, serial over chunks; in the forward
-                                    (chunk_state_output) each chunk's o = qg h + A_qk v_new too, so the
-                                    chunk states h never leave the chip (the backward recomputes them)
+    stage 0  chunk_cumsum    the chunk-local gate cumsum G
+    stage 1  chunk_intra     q, k L2-normalized and q scaled (as row factors), A_kk, A_qk,
+                             T = (I + A_kk)^-1, then w, u (the WY form), kg, qg and
+                             the chunk's decay (per chunk; the backward, which keeps T and A_qk,
+                             recomputes the rest with chunk_wy)
+    stage 2  chunk_state     the state pass, state on chip, serial over chunks; in the forward
+                             (chunk_state_output) each chunk's o = qg h + A_qk v_new too, so the
+                             chunk states h never leave the chip (the backward recomputes them)
 
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
 >= 16; zero keys, values, gates and betas leave the state untouched) and crops the results;
-`pallas_chunk_bwd` is its backward, `pallas_chunked` the registered implementation.
+`chunk_bwd` is its backward, `chunked` the registered implementation.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from hybrax.ops.kda.pallas_chunk_cumsum import chunk_local_cumsum
-from hybrax.ops.kda.pallas_chunk_intra import chunk_intra
-from hybrax.ops.kda.pallas_chunk_state import Segments, chunk_state, chunk_state_output
-from hybrax.ops.kda.pallas_tiles import PackedChunks
-from hybrax.ops.kda.pallas_chunk_wy import chunk_wy
-from hybrax.ops.kda.xla_scan import l2_normalize
+from hybrax.ops.kda.pallas_gpu.chunk_cumsum import chunk_local_cumsum
+from hybrax.ops.kda.pallas_gpu.chunk_intra import chunk_intra
+from hybrax.ops.kda.pallas_gpu.chunk_state import Segments, chunk_state, chunk_state_output
+from hybrax.ops.kda.pallas_gpu.chunk_wy import chunk_wy
+from hybrax.ops.kda.pallas_gpu.tiles import PackedChunks
+from hybrax.ops.kda.xla.scan import l2_normalize
 
 MIN_TILE = 16
 MAX_HEAD_DIM = 256
@@ -87,7 +87,7 @@ def pad_inputs(q, k, v, g, beta, initial_state, chunk: int, pad_length: bool = T
 
 
 class Packing(NamedTuple):
-    """Packed sequences' layout (`xla_chunked.packed_layout`) as the kernels and the gathers take it:
+    """Packed sequences' layout (`xla.chunked.packed_layout`) as the kernels and the gathers take it:
     the gathers' maps (padded rows -> tokens, tokens -> padded rows) and where each padded chunk lies in
     the packed row."""
 
@@ -201,9 +201,9 @@ def kda_chunk_fwd_solved(
     """KDA forward: o [B, T, HV, V] (v's dtype), the final state [B, HV, K, V] (fp32) and T and A_qk
     (padded), which the backward takes instead of recomputing them (T None without `with_inverse`).
 
-    g is the per-channel log decay (any <= 0, -inf a hard reset: `pallas_chunk_gates`), beta the update
+    g is the per-channel log decay (any <= 0, -inf a hard reset: `chunk_gates`), beta the update
     strength (already through its sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With
-    `segments` the batch of one holds packed sequences, each from a chunk boundary (`xla_chunked.packed_layout`), and
+    `segments` the batch of one holds packed sequences, each from a chunk boundary (`xla.chunked.packed_layout`), and
     initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V]. With `packed` too,
     the inputs are the packed rows themselves (the first kernels read each chunk's rows in place) and o
     and T, A_qk come in the padded layout. Without `delta_rule`, gated linear attention (`without_delta_rule`;

@@ -14,8 +14,8 @@ With dh' and dv_new from the reverse state pass, its cotangents are
     dA_kk = -T^T dT T^T (j < i)
 
 and through the elementwise maps to q, k, v, beta and G (exp(G_last) ties every row's G_last to the
-last row). The terms through A_kk and A_qk (pairwise decays) are left to `pallas_chunk_intra_bwd`. A steep
-chunk takes exp(G), exp(G_last - G) and exp(G_last) from the per-token gates (`pallas_chunk_gates`), the same
+last row). The terms through A_kk and A_qk (pairwise decays) are left to `chunk_intra_bwd`. A steep
+chunk takes exp(G), exp(G_last - G) and exp(G_last) from the per-token gates (`chunk_gates`), the same
 decays summed exactly, so the same cotangents hold.
 """
 
@@ -29,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_gates import EXACT_BLOCK_K, CumulativeGates, ExactGates, steep_chunk
-from hybrax.ops.kda.pallas_tiles import (
+from hybrax.ops.kda.pallas_gpu.chunk_gates import EXACT_BLOCK_K, CumulativeGates, ExactGates, steep_chunk
+from hybrax.ops.kda.pallas_gpu.tiles import (
     PackedChunks, chunk_column_spec, chunk_rows_spec, chunk_state_spec, chunk_windows, index_grid, packed_chunk_specs,
     pipeline_stages, split_packed, token_column_spec, token_rows_spec,
 )
@@ -70,7 +70,7 @@ def _grad_kernel(
 
     def key_pass(gates, width, i, sums):
         """dqg, dkg, dw over all of V for one slice of K (`width` columns), then that slice's dq, dk, dG, with
-        the decays of `gates` (`pallas_chunk_gates.CumulativeGates` or `ExactGates`)."""
+        the decays of `gates` (`chunk_gates.CumulativeGates` or `ExactGates`)."""
         d_inverse, dbeta = sums
         slice_k = key_slice(i, width)
 

@@ -1,5 +1,5 @@
 """KDA chunked backward's recompute of stage 1's second half (Pallas, Triton lowering): the WY form and
-the decayed keys and queries from a stored T. The forward computes them inside `pallas_chunk_intra`.
+the decayed keys and queries from a stored T. The forward computes them inside `chunk_intra`.
 
 One program per (chunk, value head, batch), [C, C] x [C, K | V] matmuls:
 
@@ -8,7 +8,7 @@ One program per (chunk, value head, batch), [C, C] x [C, K | V] matmuls:
     qg = q exp(G)                                   queries decayed from the chunk's start (output)
     decay = exp(G_last)                             the chunk's total per-channel decay
 
-Steep chunks take the decays from the per-token gates instead of G (`pallas_chunk_gates`).
+Steep chunks take the decays from the per-token gates instead of G (`chunk_gates`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_chunk_gates import EXACT_BLOCK_K, CumulativeGates, ExactGates, steep_chunk
-from hybrax.ops.kda.pallas_tiles import (
+from hybrax.ops.kda.pallas_gpu.chunk_gates import EXACT_BLOCK_K, CumulativeGates, ExactGates, steep_chunk
+from hybrax.ops.kda.pallas_gpu.tiles import (
     PackedChunks, chunk_rows_spec, chunk_windows, packed_chunk_specs, split_packed, token_column_spec, token_rows_spec,
 )
 from hybrax.ops.pallas_shared import dot_settings, mm, pallas_call
@@ -35,7 +35,7 @@ def write_wy(
     """Stores w, u, kg, qg and decay of one chunk from its T (`inverse` [C, C]) and betas ([C, 1] fp32),
     K and V taken in slices of `block_k` and `block_v` columns; rows of q and k times `query_rows` and
     `key_rows` ([C, 1] or 1.0: stage 1 normalizes them here); the decays from `gates`
-    (`pallas_chunk_gates.CumulativeGates`, or `ExactGates` in a steep chunk)."""
+    (`chunk_gates.CumulativeGates`, or `ExactGates` in a steep chunk)."""
     inverse = inverse.astype(compute_dtype)  # once for every slice's dot (bf16: half the registers)
 
     slices = q_ref.shape[1] // block_k

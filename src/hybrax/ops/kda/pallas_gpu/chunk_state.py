@@ -14,7 +14,7 @@ output kernel reading them back (H200 measurements).
 
 Packed sequences (`segments`, a batch of one): each sequence owns whole chunks; h restarts from its
 sequence's initial state at the sequence's first chunk and is its final state after its last.
-`state_pass_call` launches this kernel and its mirror in `pallas_chunk_state_bwd`.
+`state_pass_call` launches this kernel and its mirror in `chunk_state_bwd`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hybrax.ops.kda.pallas_tiles import pipeline_stages
+from hybrax.ops.kda.pallas_gpu.tiles import pipeline_stages
 from hybrax.ops.pallas_shared import dot_settings, mm_tn, pallas_call
 
 
