@@ -1,5 +1,5 @@
 """The Pallas Mosaic TPU KDA forward (TPU interpret mode on the CPU) against the float64 reference, its pieces
-against NumPy, its gradient (XLA's chunked backward) against float64 autodiff, and its lowering to Mosaic.
+against NumPy, its gradient (the Pallas TPU backward, `chunk_bwd`) against float64 autodiff, and its lowering to Mosaic.
 
 On a TPU the same file runs the kernels compiled (`interpret_mode` picks).
 """
@@ -81,13 +81,14 @@ def test_scores_against_float64(steep):
     lower = np.tril(np.ones((64, 64), bool))
     for got, left in ((aqk, q), (akk, k)):
         want = np.einsum("ic,jc,ijc->ij", to64(left), to64(k), np.nan_to_num(decay))
-        assert_close(np.where(lower, np.asarray(got), 0.0), np.where(lower, want, 0.0), 1e-6, "scores")
+        # fp32's tolerance: on the chip the MXU's fp32 products (several bf16 passes) round to 2.4e-6 here.
+        assert_close(np.where(lower, np.asarray(got), 0.0), np.where(lower, want, 0.0), 1e-5, "scores")
 
 
 def test_unit_lower_inverse():
     lower = np.tril(np.asarray(normal(4, (64, 64), scale=0.3)), -1)
     got = jax.jit(lambda x: unit_lower_inverse(x, FP32))(jnp.asarray(lower, jnp.float32))
-    assert_close(got, np.linalg.inv(np.eye(64) + lower.astype(np.float64)), 1e-6, "inverse")
+    assert_close(got, np.linalg.inv(np.eye(64) + lower.astype(np.float64)), 1e-5, "inverse")
 
 
 def inputs(seed, batch, length, heads, value_heads, dk, dv, dtype, *, per_head=False, minus_inf=False):
@@ -139,7 +140,7 @@ CFG = KernelDeltaAttentionConfig("pallas_tpu", "chunked", chunk_size=64)
 
 
 def test_public_api_outputs_and_gradients_against_float64():
-    """Fused gates, beta logits, T = 45; gradients through XLA chunked's backward on the kernel's chunk states.
+    """Fused gates, beta logits, T = 45; gradients through the Pallas TPU backward on the kernel's chunk states.
     Outputs and gradients come from one compiled vjp (the loss is linear in the outputs, its weights the
     cotangents)."""
     with jax.default_device(jax.devices("cpu")[0]):  # the float64 oracle (on a TPU too)
@@ -209,7 +210,7 @@ def test_lowers_to_mosaic(dtype, per_head, chunk, delta_rule):
 
 def test_gated_linear_attention_through_recurrent_attention():
     """Without the delta rule (no solve): per-key and per-head gates, fewer key/value heads than query heads,
-    T = 70, an initial state, gradients (XLA chunked's); against XLA chunked."""
+    T = 70, an initial state, gradients (XLA chunked's, `gradient_of`); against XLA chunked."""
     from hybrax.ops.recurrent.api import RecurrentAttentionConfig, recurrent_attention
 
     q, k, v = normal(60, (1, 70, 2, 16)), normal(61, (1, 70, 1, 16)), normal(62, (1, 70, 1, 32))
