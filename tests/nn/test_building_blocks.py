@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from hybrax.nn import GatedRMSNorm, RMSNorm, ShortConvolution
-from hybrax.nn.packing import from_cu_seqlens, from_segment_ids
+from hybrax.core.packing import from_cu_seqlens, from_segment_ids
 from tests.helpers import TOLERANCE, assert_close
 from tests.nn import reference
 

@@ -28,7 +28,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hybrax.nn.norm import RMSNorm
-from hybrax.nn.packing import check_hidden, packing, sequence_lengths
+from hybrax.core.packing import check_hidden, packing, sequence_lengths
 from hybrax.nn.weights import linear_targets, load_parameters
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
@@ -106,7 +106,7 @@ class Attention(nnx.Module):
                  segment_ids: Int[Array, "batch seq_len"] | None = None, max_segments: int | None = None
                  ) -> Float[Array, "batch seq_len hidden"]:
         """The layer on x [B, T, hidden_size]: one sequence per row, or packed ones (cu_seqlens [N + 1] with B = 1,
-        or segment_ids [B, T]; `hybrax.nn.packing`). max_segments is accepted for a call uniform with
+        or segment_ids [B, T]; `hybrax.core.packing`). max_segments is accepted for a call uniform with
         `KimiDeltaAttention` (attention needs no bound on the segments). Padding tokens output zeros.
 
         Returns:

@@ -19,7 +19,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hybrax.core.validate import check_rank, check_shape
-from hybrax.nn.packing import packing
+from hybrax.core.packing import packing
 from hybrax.nn.weights import load_parameters
 from hybrax.serving.short_conv import ACTIVATIONS, short_conv_decode, short_conv_prefill
 
@@ -74,14 +74,14 @@ class ShortConvolution(nnx.Module):
     def __call__(self, x: Float[Array, "batch seq_len dim"], *, cu_seqlens: Int[Array, " n_plus_1"] | None = None,
                  segment_ids: Int[Array, "batch seq_len"] | None = None) -> Float[Array, "batch seq_len dim"]:
         """Training and full-sequence inference: x [B, T, D] (one sequence per row, packed ones by cu_seqlens with
-        B = 1, or by segment_ids [B, T]: see `hybrax.nn.packing`)."""
+        B = 1, or by segment_ids [B, T]: see `hybrax.core.packing`)."""
         x = self._input(x, "[batch, seq_len, hidden_size]")
         return self.convolve(x, packing(x, cu_seqlens, segment_ids).segments)
 
     def convolve(self, x: Float[Array, "batch seq_len dim"], segments: Int[Array, "batch seq_len"] | None
                  ) -> Float[Array, "batch seq_len dim"]:
         """The convolution of x [B, T, D] (unchecked), each token seeing only its own segment's tokens (None: one
-        sequence per row); `hybrax.nn.packing` makes the segments."""
+        sequence per row); `hybrax.core.packing` makes the segments."""
         return causal_conv(x, self.weight[...], self._bias(), segments, self.activation)
 
     def empty_cache(self, num_slots: int) -> Float[Array, "num_slots dim width_minus_1"]:

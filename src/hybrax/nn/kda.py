@@ -35,7 +35,7 @@ from jaxtyping import Array, Float, Int
 from hybrax.core.validate import check_number
 from hybrax.nn.conv import ShortConvolution, conv_targets
 from hybrax.nn.norm import GatedRMSNorm
-from hybrax.nn.packing import check_hidden, packing
+from hybrax.core.packing import check_hidden, packing
 from hybrax.nn.weights import linear_targets, load_parameters
 from hybrax.ops.kda.api import kernel_delta_attention
 from hybrax.serving.kda_pool import kda_decode_pool
@@ -161,7 +161,7 @@ class KimiDeltaAttention(nnx.Module):
                  segment_ids: Int[Array, "batch seq_len"] | None = None, max_segments: int | None = None
                  ) -> Float[Array, "batch seq_len hidden"]:
         """The layer on x [B, T, hidden_size]: one sequence per row, or packed ones (cu_seqlens [N + 1] with B = 1,
-        or segment_ids [B, T]; `hybrax.nn.packing`). Under jit, segment_ids need `max_segments`, a static bound on
+        or segment_ids [B, T]; `hybrax.core.packing`). Under jit, segment_ids need `max_segments`, a static bound on
         their runs. Padding tokens output zeros.
 
         Returns:

@@ -32,13 +32,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import vary_like
+from hybrax.core.packing import reversed_cu_seqlens, token_sequence
 from hybrax.core.validate import check_integer, check_rank, check_shape, describe
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
 from hybrax.ops.kda.api import kernel_delta_attention
 from hybrax.ops.recurrent.api import RecurrentAttention, recurrent_attention
 from hybrax.ops.recurrent.engine import key_log_decay
-from hybrax.ops.recurrent.varlen import reversed_cu_seqlens
 
 
 def _check_shard(query: Any, value: Any, initial_state: Any, cu_seqlens: Any) -> None:
@@ -113,18 +113,18 @@ def _packed_shard(cu_seqlens: jax.Array, shard_len: int, axis_name: str, reverse
     start = index * shard_len
     end = start + shard_len  # past the shard's last token
     count = cu_seqlens.shape[0] - 1
-
-    def holding(token: jax.Array) -> jax.Array:
-        # The last sequence starting at or before the token (empty ones before it start no later, so lose).
-        return jnp.clip(jnp.searchsorted(cu_seqlens, token, side="right") - 1, 0, count - 1)
-
-    first = holding(start)
+    local = jnp.clip(cu_seqlens - start, 0, shard_len).astype(jnp.int32)
+    # The sequences of the shard's tokens under the clipped boundaries are those under the whole sequence's (a
+    # sequence that ends before the shard ends at its token 0, one that starts after it at shard_len); tokens past
+    # the last sequence count as its.
+    holding = jnp.minimum(token_sequence(local, shard_len), count - 1)
+    first = holding[0]
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     return _PackedShard(
-        cu_seqlens=jnp.clip(cu_seqlens - start, 0, shard_len).astype(jnp.int32),
+        cu_seqlens=local,
         first=first,
         continues=(cu_seqlens[first] < start) & (start < cu_seqlens[first + 1]),
-        last=holding(end - 1),
+        last=holding[-1],
         ends_here=(lengths > 0) & (start < cu_seqlens[1:]) & (cu_seqlens[1:] <= end),
         empty=lengths == 0,
     )

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from hybrax.core.packing import from_cu_seqlens
 from hybrax.core.validate import check_cu_seqlens, check_floating, check_rank, check_shape, is_concrete
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
-from hybrax.serving.prefill import check_slots, token_sequence
+from hybrax.serving.prefill import check_slots
 
 
 def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any) -> None:
@@ -65,14 +66,10 @@ def _token_places(slots: jax.Array, batch: int, length: int, cu_seqlens: jax.Arr
         token_slots = jnp.broadcast_to(slots[:, None], (batch, length))
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         return None, token_slots, positions
-    sequences = cu_seqlens.shape[0] - 1
-    sequence = token_sequence(cu_seqlens, length)
-    inside = sequence < sequences
-    sequence = jnp.minimum(sequence, sequences - 1)
-    token_slots = jnp.where(inside, slots[sequence], -1)
-    positions = jnp.arange(length, dtype=jnp.int32) - cu_seqlens[sequence]
-    segments = jnp.where(token_slots >= 0, sequence, -1)
-    return segments[None], token_slots[None], positions[None]
+    pack = from_cu_seqlens(cu_seqlens, batch, length)
+    sequence = pack.segments  # -1 past the last sequence
+    token_slots = jnp.where(sequence >= 0, slots[jnp.maximum(sequence, 0)], -1)
+    return jnp.where(token_slots >= 0, sequence, -1), token_slots, pack.positions
 
 
 def attention_prefill_pool(

@@ -16,16 +16,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from hybrax.core.packing import token_sequence
 from hybrax.core.validate import check_bool, check_cu_seqlens, check_integer, check_rank, check_rows, check_shape
 from hybrax.ops.kda.api import kernel_delta_attention
 from hybrax.serving.kda_pool import check_gate, check_pool, pool_rows, scatter_rows, swap_layout
-
-
-def token_sequence(cu_seqlens: jax.Array, length: int) -> jax.Array:
-    """The sequence of each packed token [length]: n for tokens in cu_seqlens[n]:cu_seqlens[n + 1],
-    N (one past the last) for tokens past the end."""
-    positions = jnp.arange(length, dtype=jnp.int32)
-    return (jnp.searchsorted(cu_seqlens, positions, side="right") - 1).astype(jnp.int32)
 
 
 def gather_rows(pool: jax.Array, slots: jax.Array, has_initial_state: jax.Array | None) -> jax.Array:

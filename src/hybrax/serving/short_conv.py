@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from hybrax.core.packing import token_sequence
 from hybrax.core.validate import check_cu_seqlens, check_dtype, check_floating, check_rank, check_shape
 from hybrax.serving.kda_pool import pool_rows
-from hybrax.serving.prefill import check_slots, gather_rows, token_sequence
+from hybrax.serving.prefill import check_slots, gather_rows
 
 ACTIVATIONS = ("silu", None)
 

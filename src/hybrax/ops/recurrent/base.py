@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from hybrax.core import Kernel, KernelConfig, problem_dataclass, static_field
 from hybrax.core.config import is_power_of_two, knob
 from hybrax.core.kernel import Invocation
+from hybrax.core.packing import reversed_cu_seqlens
 from hybrax.core.validate import (
     check_at_least_one,
     check_cu_seqlens,
@@ -31,7 +32,6 @@ from hybrax.core.validate import (
     check_shape,
     describe,
 )
-from hybrax.ops.recurrent import varlen
 
 OP_ID = "recurrent_attention"
 # Off the CPU, below this length the per-step scan beats the chunked algorithm's setup (and decoding
@@ -87,7 +87,8 @@ def _packed_end(problem: RecurrentProblem) -> jax.Array:
     return problem.cu_seqlens[-2]
 
 
-def _check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_dim) -> None:
+def check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_dim) -> None:
+    """Each gate given has one of its shapes and a floating dtype."""
     if g is not None:
         check_floating("g", g)
         if tuple(jnp.shape(g)) not in ((batch, seq_len, num_heads), (batch, seq_len, num_heads, key_dim)):
@@ -127,7 +128,7 @@ def _reverse_time(problem: RecurrentProblem) -> RecurrentProblem:
     cu, h0 = problem.cu_seqlens, problem.initial_state
     if cu is not None:
         h0 = None if h0 is None else jnp.flip(h0, 0)
-        cu = varlen.reversed_cu_seqlens(cu, problem.query.shape[1])
+        cu = reversed_cu_seqlens(cu, problem.query.shape[1])
     return dataclasses.replace(
         problem,
         query=flip(problem.query), key=flip(problem.key), value=flip(problem.value),
@@ -156,7 +157,7 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
         check_shape("value", value, (batch, seq_len, num_kv_heads, None), "[batch, seq_len, num_kv_heads, v_head_dim]")
         check_at_least_one("value", value, {3: "v_head_dim"})
         value_dim = jnp.shape(value)[3]
-        _check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_dim)
+        check_gates(g, g_gamma, gk, gv, batch, seq_len, num_heads, key_dim, value_dim)
         num_states = batch
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, batch, seq_len, "query")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrax.core import KernelConfig, cotangent
-from hybrax.ops.recurrent import varlen
+from hybrax.core.packing import last_token_mask, reversed_cu_seqlens
 
 Engine = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -105,7 +105,7 @@ def _shift_to_next_token(log: jax.Array | None, cu_seqlens: jax.Array | None) ->
     shifted = jnp.concatenate([log[:, 1:], jnp.zeros_like(log[:, :1])], axis=1)
     if cu_seqlens is None:
         return shifted
-    last = varlen.is_last_token(cu_seqlens, log.shape[1])
+    last = last_token_mask(cu_seqlens, log.shape[1])
     return jnp.where(_trailing(last[None], shifted.ndim), 0, shifted)
 
 
@@ -127,10 +127,23 @@ def _add_at_last_tokens(x: jax.Array, term: jax.Array, cu_seqlens: jax.Array | N
     return x.at[0, last].add(jnp.where(_trailing(nonempty, term.ndim), term, 0))
 
 
+def _segmented_suffix_sum(values: jax.Array, is_last: jax.Array) -> jax.Array:
+    """sum_{s >= t, s in t's sequence} values[:, s] along axis 1 (a segmented scan, no cancellation)."""
+
+    def combine(earlier, later):
+        later_value, later_reset = later
+        return jnp.where(later_reset, later_value, earlier[0] + later_value), earlier[1] | later_reset
+
+    reset = jnp.broadcast_to(_trailing(is_last[None], values.ndim), values.shape)
+    flipped = (jnp.flip(values, 1), jnp.flip(reset, 1))
+    total, _ = jax.lax.associative_scan(combine, flipped, axis=1)
+    return jnp.flip(total, 1)
+
+
 def _suffix_sum(x: jax.Array, cu_seqlens: jax.Array | None) -> jax.Array:
     if cu_seqlens is None:
         return jax.lax.cumsum(x, axis=1, reverse=True)
-    return varlen.segmented_suffix_sum(x, varlen.is_last_token(cu_seqlens, x.shape[1]))
+    return _segmented_suffix_sum(x, last_token_mask(cu_seqlens, x.shape[1]))
 
 
 def _backwards_in_time(engine: Engine, x: EngineInputs, do: jax.Array, d_final: jax.Array, cfg: KernelConfig):
@@ -140,7 +153,7 @@ def _backwards_in_time(engine: Engine, x: EngineInputs, do: jax.Array, d_final: 
     cu = x.cu_seqlens
     log_k = flip(_shift_to_next_token(x.log_k, cu))
     log_v = flip(_shift_to_next_token(x.log_v, cu))
-    cu_back = None if cu is None else varlen.reversed_cu_seqlens(cu, seq_len)
+    cu_back = None if cu is None else reversed_cu_seqlens(cu, seq_len)
     # Sequence n runs as sequence N-1-n when the packed batch is read backwards.
     d_final_back = d_final if cu is None else jnp.flip(d_final, 0)
     q, k, v, do = flip(x.q), flip(x.k), flip(x.v), flip(do)

@@ -14,10 +14,10 @@ they relate, so decaying gates only ever give factors in [0, 1] (no overflow, no
   come from those for blocks of h by one multiplication (`_coarsen`).
 - Intra-chunk with a per-head scalar gate only: one [C, C] score matrix times the pairwise decay
   exp(sum_{t=j+1..i} g_t), whose exponent is a masked cumulative sum (<= 0, summed directly).
-Packed sequences (`cu_seqlens`) are laid out so that each one starts on a chunk boundary (at most
-N*(C-1) padding tokens in all; exact, no masks inside chunks); the state is reset to the sequence's
-initial state at its first chunk. Padding tokens have zero keys, values and log gates, so they leave
-the state unchanged.
+Packed sequences (`cu_seqlens`) are laid out so that each one starts on a chunk boundary
+(`hybrax.core.packing.chunk_layout`: at most N*(C-1) padding tokens in all; exact, no masks inside
+chunks); the state is reset to the sequence's initial state at its first chunk. Padding tokens have
+zero keys, values and log gates, so they leave the state unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrax.core import register, vary_like
-from hybrax.ops.recurrent import varlen
+from hybrax.core.packing import ChunkLayout, chunk_layout
 from hybrax.ops.recurrent.base import OP_ID, RecurrentAttentionConfig
 from hybrax.ops.recurrent.engine import decay_state, forward, vjp_rules
 
@@ -117,40 +117,7 @@ def _intra_scalar(q, k, v, log: jax.Array | None) -> jax.Array:
     return jnp.einsum("...ij,...jv->...iv", scores * jnp.where(causal, jnp.exp(pairwise), 0), v)
 
 
-class _Packed(NamedTuple):
-    """Where packed tokens and sequences sit once every sequence starts on a chunk boundary."""
-
-    position: jax.Array  # [T] padded index of each token
-    source: jax.Array  # [Nc*C] token at each padded index (clipped) ...
-    is_token: jax.Array  # [Nc*C] ... and whether there is one (else padding)
-    chunk_seq: jax.Array  # [Nc] sequence of each chunk
-    reset: jax.Array  # [Nc] whether the chunk starts its sequence
-    last_chunk: jax.Array  # [N]
-    nonempty: jax.Array  # [N]
-    num_chunks: int
-
-
-def _packed_layout(cu_seqlens: jax.Array, seq_len: int, chunk: int) -> _Packed:
-    num_seqs = cu_seqlens.shape[0] - 1
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    first_chunk = jnp.concatenate([jnp.zeros((1,), lengths.dtype), jnp.cumsum((lengths + chunk - 1) // chunk)])
-    num_chunks = (seq_len + num_seqs * (chunk - 1)) // chunk  # bounds sum_n ceil(L_n / C)
-    seq, _ = varlen.token_segments(cu_seqlens, seq_len)
-    position = first_chunk[seq] * chunk + jnp.arange(seq_len) - cu_seqlens[seq]
-    chunks = jnp.arange(num_chunks)
-    chunk_seq = jnp.clip(jnp.searchsorted(first_chunk, chunks, side="right") - 1, 0, num_seqs - 1)
-    reset = (chunks == first_chunk[chunk_seq]) & (chunks < first_chunk[-1])
-    last_chunk = jnp.clip(first_chunk[1:] - 1, 0, num_chunks - 1)
-    # The inverse of `position`, so that the layout is a gather (XLA's CPU scatter is slow).
-    padded = jnp.arange(num_chunks * chunk)
-    padded_seq = chunk_seq[padded // chunk]
-    offset = padded - first_chunk[padded_seq] * chunk
-    is_token = (offset < lengths[padded_seq]) & (padded // chunk < first_chunk[-1])
-    source = jnp.clip(cu_seqlens[padded_seq] + offset, 0, seq_len - 1)
-    return _Packed(position, source, is_token, chunk_seq, reset, last_chunk, lengths > 0, num_chunks)
-
-
-def _to_chunks(x: jax.Array | None, chunk: int, packed: _Packed | None) -> jax.Array | None:
+def _to_chunks(x: jax.Array | None, chunk: int, packed: ChunkLayout | None) -> jax.Array | None:
     """[B,T,H,D] -> [B,H,Nc,C,D], zero-padded."""
     if x is None:
         return None
@@ -160,17 +127,17 @@ def _to_chunks(x: jax.Array | None, chunk: int, packed: _Packed | None) -> jax.A
         x = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - seq_len), (0, 0), (0, 0)))
     else:
         num_chunks = packed.num_chunks
-        x = jnp.where(packed.is_token[None, :, None, None], x[:, packed.source], 0)
+        x = jnp.take(x, packed.source, axis=1, mode="fill", fill_value=0)  # zeros for rows of no token
     return x.reshape(batch, num_chunks, chunk, heads, dim).transpose(0, 3, 1, 2, 4)
 
 
-def _from_chunks(x: jax.Array, seq_len: int, packed: _Packed | None) -> jax.Array:
+def _from_chunks(x: jax.Array, seq_len: int, packed: ChunkLayout | None) -> jax.Array:
     batch, heads, num_chunks, chunk, dim = x.shape
     x = x.transpose(0, 2, 3, 1, 4).reshape(batch, num_chunks * chunk, heads, dim)
-    return x[:, :seq_len] if packed is None else x[:, packed.position]
+    return x[:, :seq_len] if packed is None else x[:, packed.destination]
 
 
-def _pass_states(local, decay_k, decay_v, h0, packed: _Packed | None):
+def _pass_states(local, decay_k, decay_v, h0, packed: ChunkLayout | None):
     """(state entering each chunk [B,H,Nc,K,V], final states) from each chunk's own contribution `local`."""
     batch, heads, _, key_dim, value_dim = local.shape
     chunk_axis_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)  # noqa: E731
@@ -181,7 +148,7 @@ def _pass_states(local, decay_k, decay_v, h0, packed: _Packed | None):
     else:
         h0 = jnp.zeros((packed.nonempty.shape[0], heads, key_dim, value_dim), local.dtype) if h0 is None else h0
         start = vary_like(jnp.zeros((1, heads, key_dim, value_dim), local.dtype), local, h0)
-        resets = (packed.reset, h0[packed.chunk_seq][:, None])
+        resets = (packed.first, h0[packed.chunk_sequence][:, None])
 
     def step(state, x):
         (local_c, decay_k_c, decay_v_c), reset = x[:3], x[3]
@@ -268,7 +235,7 @@ def chunked_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAtte
         raise ValueError(f"chunk_size must be a power of two, got {chunk}")
     seq_len = q.shape[1]
     log_k, log_v = _normalize_sides(log_k, log_v)
-    packed = None if cu_seqlens is None else _packed_layout(cu_seqlens, seq_len, chunk)
+    packed = None if cu_seqlens is None else chunk_layout(cu_seqlens, seq_len, chunk)
     chunks = tuple(_to_chunks(x, chunk, packed) for x in (q, k, v, log_k, log_v))
     parts = _grouped_chunk_parts(chunks, chunk)
     entering, final = _pass_states(parts.local, parts.decay_k, parts.decay_v, h0, packed)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrax.core import register, vary_like
-from hybrax.ops.recurrent import varlen
+from hybrax.core.packing import first_token_mask, token_sequence
 from hybrax.ops.recurrent.base import OP_ID, RecurrentAttentionConfig
 from hybrax.ops.recurrent.engine import decay_state, forward, vjp_rules
 
@@ -39,7 +39,7 @@ def scan_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAttenti
 
     num_seqs = cu_seqlens.shape[0] - 1
     initial = vary_like(jnp.zeros((num_seqs, num_heads, key_dim, value_dim), q.dtype), xs) if h0 is None else h0
-    segment, starts = varlen.token_segments(cu_seqlens, seq_len)
+    segment, starts = token_sequence(cu_seqlens, seq_len), first_token_mask(cu_seqlens, seq_len)
 
     def varlen_step(carry, x):
         state, finals = carry
