@@ -22,7 +22,7 @@ def test_signature_is_the_seeds():
     positional = [n for n, p in parameters.items() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
     keyword = [n for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert positional == list(ARG_NAMES)
-    assert keyword == ["softmax_scale", "reverse", "return_state", "platform", "cfg"]
+    assert keyword == ["softmax_scale", "reverse", "return_state", "platform", "cfg", "segment_ids", "max_segments"]
     assert all(parameters[n].default is None for n in ARG_NAMES[3:])
 
 

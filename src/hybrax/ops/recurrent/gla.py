@@ -18,7 +18,8 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import checks, default_executor
 from hybrax.core.validate import check_number, check_rank
 from hybrax.ops.fla_states import fla_result, k_first_initial_state
-from hybrax.ops.recurrent.api import RecurrentAttention, RecurrentAttentionConfig
+from hybrax.core.packing import unflatten_output
+from hybrax.ops.recurrent.api import RecurrentAttention, RecurrentAttentionConfig, packed_rows
 
 
 def _initial_state(initial_state: Any, q: Any, v: Any, cu_seqlens: Any, v_first: bool) -> Any:
@@ -47,6 +48,8 @@ def gated_linear_attention(
     reverse: bool = False,
     state_v_first: bool = False,
     cu_seqlens: Int[Array, " num_sequences_plus_1"] | None = None,
+    segment_ids: Int[Array, "batch seq_len"] | None = None,
+    max_segments: int | None = None,
     platform: str | None = None,
     cfg: RecurrentAttentionConfig | None = None,
 ) -> tuple[Float[Array, "batch seq_len num_heads v_head_dim"], Float[Array, "num_states num_heads d1 d2"] | None]:
@@ -59,11 +62,17 @@ def gated_linear_attention(
         gv: log decay <= 0 per value channel [B, T, H, V], or None.
         scale: of the queries; None: K ** -0.5.
         initial_state: [N, H, K, V] ([N, H, V, K] with state_v_first); N = B, or the number of packed
-            sequences with cu_seqlens. None: zeros.
+            sequences with cu_seqlens or segment_ids. None: zeros.
         output_final_state: also return the fp32 final state, in initial_state's layout.
         reverse: run from the last token to the first (each packed sequence on its own).
         state_v_first: states are [.., V, K].
-        cu_seqlens: [N + 1] int32: N sequences packed into a batch of one.
+        cu_seqlens: [N + 1] int32: N sequences packed into a batch of one. Pad it to a fixed length with its
+            last value to avoid a retrace when N varies (empty sequences at the end: final state = initial state).
+        segment_ids: [B, T] int, instead of cu_seqlens: each run of equal ids in a row is a sequence, ids < 0
+            padding (zero output). The rows run as one packed row of B * T tokens, one sequence (and state) per run
+            in row-major order, padding runs included: N runs, counted when the ids are concrete.
+        max_segments: N with segment_ids under jit (a static bound on the runs; states past them are empty
+            sequences').
         platform, cfg: which implementation and knobs (default: the executor's choice; see hybrax.explain).
 
     Returns:
@@ -74,6 +83,8 @@ def gated_linear_attention(
     """
     if g is not None and gk is not None:
         raise ValueError("g and gk are the same gate (chunk_gla calls it g, fused_recurrent_gla gk): give one")
+    pack, (q, k, v, g, _, gk, gv, cu_seqlens) = packed_rows(q, k, v, g, None, gk, gv, cu_seqlens, segment_ids,
+                                                             max_segments, names=("q", "k", "v"))
     h0 = _initial_state(initial_state, q, v, cu_seqlens, state_v_first)
     if scale is not None:
         check_number("scale", scale, "a finite number or None", lambda value: True)
@@ -85,4 +96,4 @@ def gated_linear_attention(
         RecurrentAttention(), q, k, v, g, None, gk, gv, h0, cu_seqlens,
         softmax_scale=scale, reverse=reverse, return_state=output_final_state, platform=platform, cfg=cfg,
     )
-    return fla_result(result, output_final_state, state_v_first)
+    return unflatten_output(pack, fla_result(result, output_final_state, state_v_first))
