@@ -9,11 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hybrax.ops.kda.api import KernelDeltaAttentionConfig
+from hybrax.ops.kda.kimi import kimi_delta_attention
 from hybrax.ops.recurrent.api import RecurrentAttentionConfig
 from hybrax.ops.recurrent.gla import gated_linear_attention
 from tests.helpers import TOLERANCE, assert_close, normal
 
-T, H, K, V = 13, 2, 8, 4
+T, H, K, V = 13, 2, 16, 8
 SLOTS = 5  # the fixed maximum of documents
 DOCUMENTS = ([0, 4, 9, 13], [0, 2, 3, 7, 11, 13])  # three, then five documents
 TOL = TOLERANCE[jnp.float32]
@@ -21,6 +23,12 @@ GLA = {
     "xla scan": RecurrentAttentionConfig("xla", "scan"),
     "xla chunked": RecurrentAttentionConfig("xla", "chunked", chunk_size=16),
     "pallas chunked": RecurrentAttentionConfig("pallas", "chunked", chunk_size=16),
+}
+
+KDA = {
+    "xla scan": KernelDeltaAttentionConfig("xla", "scan"),
+    "xla chunked": KernelDeltaAttentionConfig("xla", "chunked", chunk_size=16),
+    "pallas chunked": KernelDeltaAttentionConfig("pallas", "chunked", chunk_size=16),
 }
 
 
@@ -57,3 +65,15 @@ def test_gated_linear_attention(name):
                                       cu_seqlens=cu_seqlens, cfg=GLA[name])
 
     check_traces_once(call, normal(4, (SLOTS, H, K, V), scale=0.5))
+
+
+@pytest.mark.parametrize("name", KDA)
+def test_kimi_delta_attention(name):
+    q, k, v = normal(0, (1, T, H, K)), normal(1, (1, T, H, K)) / 3, normal(2, (1, T, H, V))
+    g, beta = -jax.nn.softplus(normal(3, (1, T, H, K))), jax.nn.sigmoid(normal(4, (1, T, H)))
+
+    def call(cu_seqlens, initial_state):
+        return kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                    cu_seqlens=cu_seqlens, cfg=KDA[name])
+
+    check_traces_once(call, normal(5, (SLOTS, H, K, V), scale=0.5))

@@ -236,6 +236,8 @@ def segment_packing(name: str, x: Any, cu_seqlens: Any, segment_ids: Any, max_se
         return None
     if cu_seqlens is not None:
         raise ValueError("give cu_seqlens or segment_ids, not both")
+    if len(jnp.shape(x)) < 2:
+        raise ValueError(f"{name} must have shape [batch, seq_len, ...], got {describe(jnp.shape(x))}")
     batch, length = jnp.shape(x)[:2]
     return from_segment_ids(segment_ids, batch, length, max_segments, with_cu_seqlens=True, of=name)
 

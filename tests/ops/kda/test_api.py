@@ -18,7 +18,8 @@ from tests.helpers import TOLERANCE, assert_close, normal, to64
 B, T, H, HV, K, V = 1, 20, 1, 2, 8, 4
 SEED_POSITIONAL = ["query", "key", "value", "beta", "decay", "initial_state"]
 SEED_KEYWORD = ["softmax_scale", "chunk_size", "use_qk_l2norm", "use_chunked", "return_state", "platform", "cfg"]
-EXTENSIONS = ["cu_seqlens", "a_log", "dt_bias", "lower_bound", "beta_is_logits"]
+EXTENSIONS = ["cu_seqlens", "a_log", "dt_bias", "lower_bound", "beta_is_logits", "segment_ids", "max_segments"]
+PACKING = ("segment_ids", "max_segments")  # the function turns them into cu_seqlens before prepare
 
 
 def inputs(batch=B):
@@ -40,9 +41,9 @@ def test_signature_is_the_seeds():
                         "use_qk_l2norm": True, "use_chunked": True, "return_state": False, "platform": None,
                         "cfg": None}
     assert kda_attention is kernel_delta_attention
-    # prepare takes what the function passes on (all but platform and cfg), in the same order.
+    # prepare takes what the function passes on (all but platform, cfg and the segments), in the same order.
     prepared = list(inspect.signature(KernelDeltaAttention.prepare).parameters)[1:]
-    assert prepared == [n for n in params if n not in ("platform", "cfg")]
+    assert prepared == [n for n in params if n not in ("platform", "cfg", *PACKING)]
 
 
 @pytest.mark.parametrize("options", [{}, {"use_chunked": False}], ids=["chunked", "scan"])

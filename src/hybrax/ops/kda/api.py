@@ -10,6 +10,7 @@ from typing import Any
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import default_executor
+from hybrax.core.packing import segment_packing, unflatten_output
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttention, KernelDeltaAttentionConfig
 
 # Each implementation registers itself when imported; one subpackage per backend family.
@@ -43,6 +44,8 @@ def kernel_delta_attention(
     dt_bias: Float[Array, "num_value_heads qk_head_dim"] | None = None,
     lower_bound: Any = None,
     beta_is_logits: bool = False,
+    segment_ids: Int[Array, "batch seq_len"] | None = None,
+    max_segments: int | None = None,
 ) -> Any:
     """Kimi Delta Attention. Returns the output [batch, seq_len, num_value_heads, v_head_dim] in the
     input dtype, or (output, final_state [batch | num_sequences, num_value_heads, qk_head_dim,
@@ -53,15 +56,26 @@ def kernel_delta_attention(
     -exp(a_log) * softplus(decay + dt_bias), or lower_bound * sigmoid(exp(a_log) * (decay + dt_bias))
     when lower_bound is set. beta_is_logits: beta goes through a sigmoid. cu_seqlens [N + 1] int32:
     packed sequences in a batch of one, initial and final state [N, HV, K, V]; it rises from 0 to at most
-    seq_len, and tokens from cu_seqlens[-1] on belong to no sequence (zero output). Value heads may be a
+    seq_len, and tokens from cu_seqlens[-1] on belong to no sequence (zero output). Pad cu_seqlens to a
+    fixed length with its last value to avoid a retrace when N varies (the empty sequences at the end keep
+    their initial states). segment_ids [B, T] int instead: each run of equal ids in a row is a sequence, ids
+    < 0 padding (zero output); the rows run as one packed row of B * T tokens with one sequence, and state,
+    per run in row-major order (padding runs included), counted when the ids are concrete, else
+    `max_segments` of them (states past the runs keep their initial values). Value heads may be a
     multiple of the query/key heads. chunk_size and use_chunked choose the default config only.
     """
-    return default_executor()(
+    pack = segment_packing("query", query, cu_seqlens, segment_ids, max_segments)
+    if pack is not None:
+        query, key, value, beta, decay = (pack.flatten(name, array) for name, array in (
+            ("query", query), ("key", key), ("value", value), ("beta", beta), ("decay", decay)))
+        cu_seqlens = pack.cu_seqlens
+    result = default_executor()(
         KernelDeltaAttention(), query, key, value, beta, decay, initial_state,
         softmax_scale=softmax_scale, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm, use_chunked=use_chunked,
         return_state=return_state, platform=platform, cfg=cfg, cu_seqlens=cu_seqlens, a_log=a_log,
         dt_bias=dt_bias, lower_bound=lower_bound, beta_is_logits=beta_is_logits,
     )
+    return unflatten_output(pack, result)
 
 
 kda_attention = kernel_delta_attention

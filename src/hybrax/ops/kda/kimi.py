@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from hybrax.core import checks, default_executor
+from hybrax.core.packing import segment_packing, unflatten_output
 from hybrax.core.validate import (
     check_cu_seqlens, check_divides, check_floating, check_number, check_rank, check_shape, describe,
 )
@@ -129,6 +130,8 @@ def kimi_delta_attention(
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
     cu_seqlens: Int[Array, " num_sequences_plus_1"] | None = None,
+    segment_ids: Int[Array, "batch seq_len"] | None = None,
+    max_segments: int | None = None,
     platform: str | None = None,
     cfg: KernelDeltaAttentionConfig | None = None,
 ) -> tuple[Float[Array, "batch seq_len num_value_heads v_head_dim"], Float[Array, "num_states num_value_heads d1 d2"]
@@ -142,7 +145,7 @@ def kimi_delta_attention(
         beta: [B, T, HV] in [0, 1], or logits with use_beta_sigmoid_in_kernel.
         scale: of the queries; None: K ** -0.5.
         initial_state: fp32 [N, HV, K, V] ([N, HV, V, K] with state_v_first); N = B, or the number of packed
-            sequences with cu_seqlens. None: zeros.
+            sequences with cu_seqlens or segment_ids. None: zeros.
         output_final_state: also return the final state, in initial_state's layout.
         use_qk_l2norm_in_kernel: L2-normalize q and k (x / sqrt(sum x^2 + 1e-6)) per head.
         use_gate_in_kernel: g is the raw gate input: -exp(A_log) * softplus(g + dt_bias), or with lower_bound
@@ -152,7 +155,13 @@ def kimi_delta_attention(
         use_beta_sigmoid_in_kernel: beta holds logits; beta = sigmoid(beta), or 2 sigmoid(beta) in [0, 2)
             with allow_neg_eigval (negative eigenvalues of the transition).
         state_v_first: states are [.., V, K] (initial_state and the final state).
-        cu_seqlens: [N + 1] int32: N sequences packed into a batch of one.
+        cu_seqlens: [N + 1] int32: N sequences packed into a batch of one. Pad it to a fixed length with its
+            last value to avoid a retrace when N varies (empty sequences at the end: final state = initial state).
+        segment_ids: [B, T] int, instead of cu_seqlens: each run of equal ids in a row is a sequence, ids < 0
+            padding (zero output). The rows run as one packed row of B * T tokens, one sequence (and state) per run
+            in row-major order, padding runs included: N runs, counted when the ids are concrete.
+        max_segments: N with segment_ids under jit (a static bound on the runs; states past them are empty
+            sequences').
         platform, cfg: which implementation and knobs (default: the executor's choice; see hybrax.explain).
 
     Returns:
@@ -167,6 +176,11 @@ def kimi_delta_attention(
         checks.check_finite(name, array)
     if scale is not None:
         check_number("scale", scale, "a number > 0 or None", lambda value: value > 0)
+    pack = segment_packing("q", q, cu_seqlens, segment_ids, max_segments)
+    if pack is not None:
+        q, k, v, g, beta = (pack.flatten(name, array) for name, array in
+                            (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
+        dims, cu_seqlens = (1, dims[0] * dims[1], *dims[2:]), pack.cu_seqlens
     num_states = dims[0]
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, dims[0], dims[1], "q")
@@ -180,4 +194,4 @@ def kimi_delta_attention(
         softmax_scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, return_state=output_final_state,
         cu_seqlens=cu_seqlens, beta_is_logits=beta_is_logits, platform=platform, cfg=cfg, **fused_gate,
     )
-    return fla_result(result, output_final_state, state_v_first)
+    return unflatten_output(pack, fla_result(result, output_final_state, state_v_first))
