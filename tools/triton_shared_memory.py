@@ -35,10 +35,10 @@ from jax._src.lib.mlir import ir
 from jaxlib.triton import dialect as triton_dialect
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its tests
+from hybrax.ops.kda.common.layout import Segments  # noqa: E402
 from hybrax.ops.kda.decode.pallas_gpu import fused_recurrent_decode, launch_params  # noqa: E402
+from hybrax.ops.kda.pallas_gpu.chunk import kda_chunk  # noqa: E402
 from hybrax.ops.kda.pallas_gpu.chunk_fwd import Packing  # noqa: E402
-from hybrax.ops.kda.pallas_gpu.chunk_state import Segments  # noqa: E402
-from hybrax.ops.kda.pallas_gpu.chunked import kda_chunk  # noqa: E402
 from hybrax.ops.kda.pallas_gpu.tiles import PackedChunks  # noqa: E402
 from hybrax import AttentionConfig, attention  # noqa: E402
 from hybrax.ops.attention import pallas_flash  # noqa: E402

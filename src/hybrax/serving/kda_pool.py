@@ -33,10 +33,10 @@ from hybrax.core.validate import (
     check_at_least_one, check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
     check_shape, is_concrete,
 )
+from hybrax.ops.kda.common.delta import delta_step, l2_normalize
 from hybrax.ops.kda.decode import cuda as cuda_decode
 from hybrax.ops.kda.decode import pallas_gpu as pallas_decode
 from hybrax.ops.kda.gate import activate_beta, fused_gate
-from hybrax.ops.kda.xla.scan import delta_step, l2_normalize
 from hybrax.ops.pallas_shared import interpret_here
 
 OP_ID = "kda_decode_pool"

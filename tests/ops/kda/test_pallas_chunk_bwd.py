@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import pytest
 
 from hybrax.ops.kda.api import kernel_delta_attention
+from hybrax.ops.kda.common.layout import Segments
+from hybrax.ops.kda.pallas_gpu.chunk import kda_chunk
 from hybrax.ops.kda.pallas_gpu.chunk_bwd import kda_chunk_bwd
 from hybrax.ops.kda.pallas_gpu.chunk_grad import chunk_grad
-from hybrax.ops.kda.pallas_gpu.chunk_state import Segments
-from hybrax.ops.kda.pallas_gpu.chunked import kda_chunk
 from tests.helpers import TOLERANCE, assert_close, lower_for_h200, normal
 from tests.ops.kda.oracle import oracle_vjp
 from tests.ops.kda.test_pallas_chunk_fwd import abstract_inputs, inputs, pipeline_stages_of

@@ -15,13 +15,12 @@ import pytest
 
 from hybrax.core import lookup
 from hybrax.ops.kda import api, reference
+from hybrax.ops.kda.common.layout import Segments
 from hybrax.ops.kda.pallas_gpu import chunked  # noqa: F401  (registers pallas:chunked)
 from hybrax.ops.kda.pallas_gpu.chunk_cumsum import chunk_local_cumsum, gate_gradient
 from hybrax.ops.kda.pallas_gpu.chunk_fwd import kda_chunk_fwd, prepare_qk
 from hybrax.ops.kda.pallas_gpu.chunk_intra import chunk_intra, unit_lower_inverse
-from hybrax.ops.kda.pallas_gpu.chunk_state import (
-    Segments, chunk_state, chunk_state_output, default_block_v, output_block_v,
-)
+from hybrax.ops.kda.pallas_gpu.chunk_state import chunk_state, chunk_state_output, default_block_v, output_block_v
 from hybrax.ops.kda.pallas_gpu.chunk_state_bwd import chunk_state_bwd
 from hybrax.ops.kda.pallas_gpu.chunk_wy import chunk_wy
 from hybrax.ops.kda.pallas_gpu.tiles import PackedChunks

@@ -10,7 +10,7 @@ import pytest
 
 from hybrax.ops.kda import reference
 from hybrax.ops.kda.api import KernelDeltaAttentionConfig, kernel_delta_attention
-from hybrax.ops.kda.xla.chunked import from_packed_rows, packed_layout, to_packed_rows
+from hybrax.ops.kda.common.layout import from_packed_rows, packed_layout, to_packed_rows
 from tests.helpers import TOLERANCE, assert_close, normal, to64
 from tests.ops.kda.oracle import as64, kda64
 

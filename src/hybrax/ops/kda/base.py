@@ -31,6 +31,8 @@ from hybrax.ops.kda.gate import activate_beta, fused_gate
 
 OP_ID = "kernel_delta_attention"
 CHUNK_SIZES = (16, 32, 64, 128)
+L2_EPS = 1e-6  # q and k L2-normalized as x / sqrt(sum x^2 + L2_EPS), in every implementation and the reference
+GATE_FLOOR = -1e30  # the chunked implementations clamp log decays here, exactly (`xla/chunked.py` says why)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-L2_EPS = 1e-6
+from hybrax.ops.kda.base import L2_EPS
 
 
 def _f64(x: Any) -> np.ndarray | None:

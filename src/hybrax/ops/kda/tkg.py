@@ -24,10 +24,10 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from hybrax.core.validate import check_floating, check_rank, check_shape, is_concrete
+from hybrax.ops.kda.common.delta import delta_step, l2_normalize
 from hybrax.ops.kda.decode import cuda as cuda_decode
 from hybrax.ops.kda.decode import pallas_gpu as pallas_decode
 from hybrax.ops.kda.gate import fused_gate
-from hybrax.ops.kda.xla.scan import delta_step, l2_normalize
 from hybrax.ops.pallas_shared import interpret_here
 
 

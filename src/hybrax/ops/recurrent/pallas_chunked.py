@@ -22,7 +22,7 @@ from jaxtyping import Array, Float
 
 from hybrax.core import Invocation, register, vary_like
 from hybrax.ops.kda.pallas_gpu.chunk_fwd import MAX_HEAD_DIM
-from hybrax.ops.kda.pallas_gpu.chunked import chunk_reason, run_chunked
+from hybrax.ops.kda.pallas_gpu.chunk import chunk_reason, run_chunked
 from hybrax.ops.recurrent.base import OP_ID, RecurrentAttentionConfig, RecurrentProblem
 from hybrax.ops.recurrent.engine import expand_heads, key_log_decay
 

@@ -13,16 +13,16 @@ import jax
 import jax.numpy as jnp
 
 from hybrax.core import Invocation, lookup, register
+from hybrax.ops.kda.base import CHUNK_SIZES
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, kda_forward
-from hybrax.ops.kda.pallas_tpu.register import CHUNKS
 from hybrax.ops.recurrent.base import OP_ID, RecurrentAttentionConfig, RecurrentProblem
 from hybrax.ops.recurrent.engine import expand_heads, key_log_decay
 
 
 def _supports(inv: Invocation, cfg: RecurrentAttentionConfig | None = None) -> str | None:
     arrays, static = inv.arrays, inv.static
-    if cfg is not None and cfg.chunk_size not in CHUNKS:
-        return f"needs chunk_size in {CHUNKS}, got {cfg.chunk_size}"
+    if cfg is not None and cfg.chunk_size not in CHUNK_SIZES:  # the TPU kernel's chunks, as KDA's
+        return f"needs chunk_size in {CHUNK_SIZES}, got {cfg.chunk_size}"
     if arrays["g_value"] is not None:
         return "takes no value gate (gv)"
     if static["reverse"]:

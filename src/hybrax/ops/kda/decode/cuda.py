@@ -21,8 +21,8 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import Invocation, register
 from hybrax.ops import cuda_build
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.decode.pallas_gpu import GATES, step_scalars
-from hybrax.ops.kda.xla.scan import kda_single_step
+from hybrax.ops.kda.common.delta import single_step
+from hybrax.ops.kda.decode.operands import GATES, step_scalars
 
 SOURCE = Path(__file__).with_name("cuda_decode.cu")
 TARGET = "hybrax_kda_decode"
@@ -149,5 +149,5 @@ def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple
 # kernel_delta_attention's T == 1 path: above pallas:decode (40) where the GPU has nvcc.
 register(
     OP_ID, "cuda", "decode", priority=50, devices=("gpu",), supports=_supports_single_token,
-    heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), gradient_of=kda_single_step,
+    heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), gradient_of=single_step,
 )(_single_token)

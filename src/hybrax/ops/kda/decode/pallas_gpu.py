@@ -34,10 +34,10 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, register
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.xla.scan import inverse_l2_norm, kda_single_step
+from hybrax.ops.kda.common.delta import inverse_l2_norm, single_step
+from hybrax.ops.kda.decode.operands import GATES, step_scalars
 from hybrax.ops.pallas_shared import interpret_here, pallas_call
 
-GATES = ("activated", "softplus", "bounded")
 MAX_UNROLLED_TOKENS = 8
 
 
@@ -236,14 +236,6 @@ def fused_recurrent_decode(
     )(*arrays)
 
 
-def step_scalars(scale: Any, lower_bound: Any) -> jax.Array:
-    """[scale, lower_bound (0 when None)] in fp32: the decode kernels' scalar operand (numbers or traced arrays)."""
-    return jnp.stack([
-        jnp.asarray(scale, jnp.float32).reshape(()),
-        jnp.asarray(0.0 if lower_bound is None else lower_bound, jnp.float32).reshape(()),
-    ])
-
-
 def _is_tile_size(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
@@ -299,5 +291,5 @@ def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple
 register(
     OP_ID, "pallas", "decode", priority=40, devices=("gpu",), supports=_supports_single_token,
     heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
-    gradient_of=kda_single_step,  # decode needs no fast backward: training never lands here
+    gradient_of=single_step,  # decode needs no fast backward: training never lands here
 )(_single_token)

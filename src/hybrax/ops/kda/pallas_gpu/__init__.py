@@ -1,6 +1,8 @@
 """KDA chunked on the GPU: Pallas kernels (Triton lowering), one file per stage, named as fla names them.
 
-    chunked          "pallas:chunked": the registered implementation, forward and backward joined by a custom VJP
+    chunked          "pallas:chunked": the registered implementation (supports, heuristic, the call)
+    chunk            forward and backward joined by a custom VJP, packed sequences laid out; shared with gated
+                     linear attention (`ops/recurrent/pallas_chunked.py`, the delta rule off)
     chunk_fwd        the forward end to end: stages 0-2, padding and cropping
     chunk_cumsum     stage 0: the chunk-local gate cumsum G (and its backward, a suffix sum)
     chunk_gates      how the kernels exponentiate log decays exactly for every gate <= 0 (steep chunks)

@@ -18,15 +18,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from hybrax.ops.kda.common.layout import Segments, from_packed_rows
 from hybrax.ops.kda.pallas_gpu.chunk_cumsum import gate_gradient
 from hybrax.ops.kda.pallas_gpu.chunk_fwd import (
     Packing, Solved, forward_stages, has_chunks, normalize_qk, pad_inputs, pad_to,
 )
 from hybrax.ops.kda.pallas_gpu.chunk_grad import chunk_grad
 from hybrax.ops.kda.pallas_gpu.chunk_intra_bwd import chunk_intra_bwd
-from hybrax.ops.kda.pallas_gpu.chunk_state import Segments
 from hybrax.ops.kda.pallas_gpu.chunk_state_bwd import chunk_state_bwd
-from hybrax.ops.kda.xla.chunked import from_packed_rows
 
 
 def _per_key_head(x: jax.Array, heads: int) -> jax.Array:

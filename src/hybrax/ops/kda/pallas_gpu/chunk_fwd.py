@@ -11,7 +11,7 @@
 
 This file pads the inputs to the kernels' tile sizes (T to the chunk, K and V to powers of two
 >= 16; zero keys, values, gates and betas leave the state untouched) and crops the results;
-`chunk_bwd` is its backward, `chunked` the registered implementation.
+`chunk_bwd` is its backward, `chunk` joins the two, `chunked` is the registered implementation.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from hybrax.ops.kda.common.delta import l2_normalize
+from hybrax.ops.kda.common.layout import Segments
 from hybrax.ops.kda.pallas_gpu.chunk_cumsum import chunk_local_cumsum
 from hybrax.ops.kda.pallas_gpu.chunk_intra import chunk_intra
-from hybrax.ops.kda.pallas_gpu.chunk_state import Segments, chunk_state, chunk_state_output
+from hybrax.ops.kda.pallas_gpu.chunk_state import chunk_state, chunk_state_output
 from hybrax.ops.kda.pallas_gpu.chunk_wy import chunk_wy
 from hybrax.ops.kda.pallas_gpu.tiles import PackedChunks
-from hybrax.ops.kda.xla.scan import l2_normalize
 
 MIN_TILE = 16
 MAX_HEAD_DIM = 256
@@ -87,7 +88,7 @@ def pad_inputs(q, k, v, g, beta, initial_state, chunk: int, pad_length: bool = T
 
 
 class Packing(NamedTuple):
-    """Packed sequences' layout (`xla.chunked.packed_layout`) as the kernels and the gathers take it:
+    """Packed sequences' layout (`common.layout.packed_layout`) as the kernels and the gathers take it:
     the gathers' maps (padded rows -> tokens, tokens -> padded rows) and where each padded chunk lies in
     the packed row."""
 
@@ -203,7 +204,7 @@ def kda_chunk_fwd_solved(
 
     g is the per-channel log decay (any <= 0, -inf a hard reset: `chunk_gates`), beta the update
     strength (already through its sigmoid); q, k, v share one dtype (bf16 or fp32); HV is a multiple of H. With
-    `segments` the batch of one holds packed sequences, each from a chunk boundary (`xla.chunked.packed_layout`), and
+    `segments` the batch of one holds packed sequences, each from a chunk boundary (`common.layout.packed_layout`), and
     initial_state [N, HV, K, V] is required; the final states are then [N, HV, K, V]. With `packed` too,
     the inputs are the packed rows themselves (the first kernels read each chunk's rows in place) and o
     and T, A_qk come in the padded layout. Without `delta_rule`, gated linear attention (`without_delta_rule`;

@@ -17,7 +17,7 @@ a gate of -1e30 swallows every later gate of the chunk (G_i - G_j = 0 for any la
   wherever it lies between.
 
 Gates enter clamped at FLOOR = -1e30 (`clamp`; stage 0 clamps the gates it sums too, so G is always finite,
-never -inf), as XLA's chunked path clamps them (`xla.chunked.GATE_FLOOR`). That is exact: every exponent that
+never -inf), as XLA's chunked path clamps them (`base.GATE_FLOOR`). That is exact: every exponent that
 holds a clamped gate is <= -1e30, and exp of it is 0 in fp32, as exp of the true sum (down to -inf) is; a sum
 of 128 of them (-1.3e32) stays far from fp32's limit, so no -inf - -inf or 0 * inf ever arises. The gradient
 w.r.t. such a gate is 0 (every term that holds it carries its exp, 0): the backward's dg, a suffix sum of dG
@@ -34,8 +34,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hybrax.ops.kda.base import GATE_FLOOR
 from hybrax.ops.kda.pallas_gpu.tiles import SUB
-from hybrax.ops.kda.xla.chunked import GATE_FLOOR
 
 # The largest decay within one sub-chunk (the decay from the row before it through its last row, in any
 # channel) that the fast arithmetic takes: its factors stay within exp(60) = 1e26, far from fp32's limits

@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from hybrax.ops.kda.common.delta import inverse_l2_norm
 from hybrax.ops.kda.pallas_gpu.chunk_gates import EXACT_BLOCK_K, STEEP, pair_exponents, steep_chunk
 from hybrax.ops.kda.pallas_gpu.chunk_wy import write_wy_either, wy_specs
 from hybrax.ops.kda.pallas_gpu.tiles import (
@@ -45,7 +46,6 @@ from hybrax.ops.kda.pallas_gpu.tiles import (
     token_column_spec, token_rows_spec,
 )
 from hybrax.ops.pallas_shared import dot_settings, mm, mm_t, pallas_call, solve_precision
-from hybrax.ops.kda.xla.scan import inverse_l2_norm
 
 
 def unit_lower_inverse(strict_lower: jax.Array, precision) -> jax.Array:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +28,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from hybrax.ops.kda.common.layout import Segments
 from hybrax.ops.kda.pallas_gpu.tiles import pipeline_stages
 from hybrax.ops.pallas_shared import dot_settings, mm_tn, pallas_call
-
-
-class Segments(NamedTuple):
-    """Per chunk [NT] int32: its sequence, and 1 at the sequence's first / last chunk (0 elsewhere)."""
-
-    sequence: jax.Array
-    first: jax.Array
-    last: jax.Array
 
 
 def state_tile(states_ref, index, shape) -> jax.Array:

@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from hybrax.ops.kda.pallas_gpu.chunk_state import (
-    Segments, chunk_scalars, emit, restart, state_pass_call, state_tile,
-)
+from hybrax.ops.kda.common.layout import Segments
+from hybrax.ops.kda.pallas_gpu.chunk_state import chunk_scalars, emit, restart, state_pass_call, state_tile
 from hybrax.ops.pallas_shared import dot_settings, mm_tn
 
 

@@ -62,7 +62,7 @@ def index_grid(n: int) -> tuple[jax.Array, jax.Array]:
 
 
 class PackedChunks(NamedTuple):
-    """Where the padded layout's chunks of packed sequences (`xla.chunked.packed_layout`: each sequence
+    """Where the padded layout's chunks of packed sequences (`common.layout.packed_layout`: each sequence
     from a chunk boundary) lie in the packed row, so that the per-chunk kernels read their token inputs in
     place instead of from gathered copies: per padded chunk [NT] int32, its first token and how many of its
     rows hold tokens of its sequence (the rest read as zeros, as padding)."""

@@ -39,13 +39,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
+from hybrax.ops.kda.base import L2_EPS
 from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates, chunk_gates
 from hybrax.ops.kda.pallas_tpu.chunk_intra import (
     factored_scores, index_grid, is_steep, unit_lower_inverse, with_exact_diagonal,
 )
 from hybrax.ops.kda.pallas_tpu.chunk_state import state_step
 from hybrax.ops.kda.pallas_tpu.dots import Dot
-from hybrax.ops.kda.reference import L2_EPS
 from hybrax.ops.pallas_shared import pallas_call
 
 LANES = 128  # the TPU's vector width: K and V are padded to it

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hybrax.ops.kda.base import L2_EPS
 from hybrax.ops.kda.pallas_tpu.chunk_gates import chunk_gates
 from hybrax.ops.kda.pallas_tpu.chunk_intra import index_grid, unit_lower_inverse
 from hybrax.ops.kda.pallas_tpu.dots import Dot, Operand
-from hybrax.ops.kda.reference import L2_EPS
 
 UNDERFLOW = -104.0  # exp(x) rounds to 0 in fp32 below about -103.97
 

@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 from hybrax.core import Invocation, lookup, register
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, interpret_mode
-from hybrax.ops.kda.xla.scan import l2_normalize
+from hybrax.ops.kda.common.delta import l2_normalize
 
 BUFFERS = 3  # in flight at a step: the next step's copy in, this step's block, the last step's copy out
 COLUMN_BYTES = 2 * 2**20  # VMEM for one input of [K, 1] columns (padded to 128 lanes there)

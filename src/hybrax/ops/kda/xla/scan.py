@@ -1,5 +1,6 @@
 """KDA on XLA, token by token: the recurrent scan (O(1) state memory in the forward) and the direct
-single step for T == 1 (decode with a state, no padding to a chunk).
+single step for T == 1 (decode with a state, no padding to a chunk; its math is `common/delta.py`'s, shared with
+the decode kernels' gradient).
 
 Gradients come from autodiff through the scan (which keeps each step's state for the backward);
 the chunked implementation is the one for training.
@@ -13,38 +14,7 @@ from jax import lax
 
 from hybrax.core import Invocation, register
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.reference import L2_EPS
-
-EXACT = lax.Precision.HIGHEST
-
-
-def inverse_l2_norm(sum_of_squares: jax.Array) -> jax.Array:
-    """1 / |x| from sum(x^2), with the epsilon every implementation uses (`reference.L2_EPS`)."""
-    return lax.rsqrt(sum_of_squares + L2_EPS)
-
-
-def l2_normalize(x: jax.Array) -> jax.Array:
-    return x * inverse_l2_norm(jnp.sum(x * x, axis=-1, keepdims=True))
-
-
-def value_head_qk(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
-    """q and k in fp32, L2-normalized when asked, repeated to [B, T, HV, K] (one per value head)."""
-    group = problem.v.shape[2] // problem.q.shape[2]
-    q, k = (x.astype(jnp.float32) for x in (problem.q, problem.k))
-    if problem.use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    return jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2)
-
-
-def delta_step(
-    state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array, scale: float
-) -> tuple[jax.Array, jax.Array]:
-    """One token: state [..., K, V]; q, k [..., K]; v [..., V]; beta [...]; decay [..., K] or [..., 1].
-    Returns (o [..., V], new state)."""
-    state = state * jnp.exp(decay)[..., None]
-    error = v - jnp.einsum("...kv,...k->...v", state, k, precision=EXACT)
-    state = state + k[..., :, None] * (beta[..., None] * error)[..., None, :]
-    return jnp.einsum("...kv,...k->...v", state, scale * q, precision=EXACT), state
+from hybrax.ops.kda.common.delta import delta_step, single_step, value_head_qk
 
 
 def _time_major(*arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -105,13 +75,5 @@ def _supports_single_step(inv: Invocation) -> str | None:
     return None
 
 
-@register(OP_ID, "xla", "single_step", priority=30, heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
-          supports=_supports_single_step)
-def kda_single_step(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
-    """T == 1: one delta step on the state, no scan and no chunk padding."""
-    q, k = value_head_qk(problem)
-    o, final = delta_step(
-        problem.initial_states(), q[:, 0], k[:, 0], problem.v[:, 0].astype(jnp.float32),
-        problem.beta[:, 0], problem.decay[:, 0], problem.scale,
-    )
-    return o[:, None].astype(problem.q.dtype), final
+register(OP_ID, "xla", "single_step", priority=30, heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
+         supports=_supports_single_step)(single_step)
