@@ -14,11 +14,12 @@ their kernels compiled; then, bf16, per-channel decay, L2 norm inside, at each s
           heads per grid step, each with its gradients' errors against XLA's fp32 gradients;
   api     forward and forward+backward through `kernel_delta_attention`, ours (the Pallas forward and
           backward) and XLA's, each at chunk 64 and 128, with the full-size errors of ours against XLA on fp32
-          inputs (out and final state; the gradients of q, k, v, g, beta, as err_grads);
+          inputs (out and final state; the gradients of q, k, v, g, beta, as err_grads); after the shapes, the
+          same on PACKED: PACKED_DOCUMENTS documents of uneven lengths packed in one row (cu_seqlens);
   ablate  the forward kernel at its defaults with one piece at a time replaced by a stub of the same shapes
           (wrong results, for timing only): what each piece costs, as the machine has no profiler;
-  gla     gated linear attention (recurrent_attention with a per-key gate gk), forward, ours (the kernel without
-          the delta rule, opt-in) and XLA chunked, at each shape;
+  gla     gated linear attention (recurrent_attention with a per-key gate gk), forward and forward+backward, ours
+          (the kernels without the delta rule, opt-in) and XLA chunked, at each shape;
   decode  kda_decode_pool and kernel_delta_attention at T = 1 (B = 64, 16 heads of 128, fp32 states), ours
           and XLA's, per step of a jitted loop of DECODE_STEPS steps carrying the pool, with the state
           traffic in GB/s beside that of an elementwise pass over 512 MiB (read + write);
@@ -57,6 +58,8 @@ from hybrax.ops.kda.pallas_tpu.chunk_gates import SUB, ChunkGates  # noqa: E402
 from hybrax.serving import kda_decode_pool  # noqa: E402
 
 SHAPES = [(1, 8192, 16, 128), (8, 2048, 16, 128)]
+PACKED = (1, 32768, 16, 128)  # one row of packed documents (`packed_bounds`)
+PACKED_DOCUMENTS = 16
 SWEEP = [  # (chunk, block_heads, solve_passes)
     *itertools.product((64, 128), (1, 4), (1, 3)),
 ]
@@ -110,13 +113,21 @@ def make_inputs(seed: int, batch: int, length: int, heads: int, dim: int, steep:
     return q, k, v, g, beta
 
 
-def runners(platform: str, scale: float, chunk: int = 64):
+def packed_bounds(length: int, documents: int, seed: int = 0) -> jax.Array:
+    """cu_seqlens of `documents` documents over `length` tokens, cut at uniform random tokens: uneven lengths
+    (about exponential, the longest several times the mean), every token in a document."""
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, length), documents - 1, replace=False))
+    return jnp.asarray(np.concatenate([[0], cuts, [length]]), jnp.int32)
+
+
+def runners(platform: str, scale: float, chunk: int = 64, cu_seqlens=None):
     """(forward, forward+backward) through the public API at `chunk` (64: XLA's heuristic for the call's
-    default hint)."""
+    default hint), of packed documents with cu_seqlens."""
     cfg = KernelDeltaAttentionConfig(platform=platform, backend="chunked", chunk_size=chunk)
 
     def forward(q, k, v, g, beta):
-        return kernel_delta_attention(q, k, v, beta, g, softmax_scale=scale, return_state=True, cfg=cfg)
+        return kernel_delta_attention(q, k, v, beta, g, softmax_scale=scale, return_state=True, cfg=cfg,
+                                      cu_seqlens=cu_seqlens)
 
     def loss(q, k, v, g, beta):
         o, final = forward(q, k, v, g, beta)
@@ -125,17 +136,17 @@ def runners(platform: str, scale: float, chunk: int = 64):
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def reference_fp32(inputs, scale: float):
+def reference_fp32(inputs, scale: float, cu_seqlens=None):
     """Our XLA chunked path on the inputs cast to fp32: the full-size reference."""
     q, k, v, g, beta = inputs
-    forward, _ = runners("xla", scale)
+    forward, _ = runners("xla", scale, cu_seqlens=cu_seqlens)
     return forward(*(x.astype(jnp.float32) for x in (q, k, v)), g, beta)
 
 
-def reference_grads_fp32(inputs, scale: float):
+def reference_grads_fp32(inputs, scale: float, cu_seqlens=None):
     """The gradients of `runners`' loss (q, k, v, g, beta) by our XLA chunked path on fp32 inputs."""
     q, k, v, g, beta = inputs
-    _, backward = runners("xla", scale)
+    _, backward = runners("xla", scale, cu_seqlens=cu_seqlens)
     return backward(*(x.astype(jnp.float32) for x in (q, k, v)), g, beta)
 
 
@@ -210,15 +221,17 @@ def bwd_sweep(shape, inputs, reference_grads) -> None:
             save()
 
 
-def api(shape, inputs, reference, steep: bool = False, reference_grads=None) -> None:
+def api(shape, inputs, reference, steep: bool = False, reference_grads=None, cu_seqlens=None) -> None:
+    """`cu_seqlens`: the inputs hold packed documents (the rows name how many)."""
     scale = shape[3] ** -0.5
     rows = RESULTS["steep" if steep else "api"]
+    label = str(shape) if cu_seqlens is None else f"{shape} {cu_seqlens.shape[0] - 1} docs"
     for platform, chunk in API:
-        forward, backward = runners(platform, scale, chunk)
+        forward, backward = runners(platform, scale, chunk, cu_seqlens)
 
         def run():
             o, final = forward(*inputs)
-            row = dict(shape=str(shape), platform=platform, chunk=chunk, fwd_ms=round(time_ms(forward, *inputs), 3),
+            row = dict(shape=label, platform=platform, chunk=chunk, fwd_ms=round(time_ms(forward, *inputs), 3),
                        err_o=f"{rel(o.astype(jnp.float32), reference[0]):.1e}",
                        err_state=f"{rel(final, reference[1]):.1e}")
             if not steep:
@@ -227,11 +240,21 @@ def api(shape, inputs, reference, steep: bool = False, reference_grads=None) -> 
                     row["err_grads"] = grad_errors(backward(*inputs), reference_grads)
             return row
 
-        row = guarded(f"{'steep' if steep else 'api'} {shape} {platform} {chunk}", run)
+        row = guarded(f"{'steep' if steep else 'api'} {label} {platform} {chunk}", run)
         if row:
             rows.append(row)
             log(str(row))
             save()
+
+
+def packed(shape, cu_seqlens) -> None:
+    """The api part on packed documents, against XLA's fp32 results on them."""
+    inputs = make_inputs(0, *shape)
+    scale = shape[3] ** -0.5
+    reference = guarded(f"reference {shape} packed", lambda: reference_fp32(inputs, scale, cu_seqlens))
+    grads = guarded(f"reference gradients {shape} packed", lambda: reference_grads_fp32(inputs, scale, cu_seqlens))
+    if reference is not None:
+        api(shape, inputs, reference, reference_grads=grads, cu_seqlens=cu_seqlens)
 
 
 def gla(shape, inputs) -> None:
@@ -240,10 +263,13 @@ def gla(shape, inputs) -> None:
     for platform in ("pallas_tpu", "xla"):
         cfg = RecurrentAttentionConfig(platform, "chunked", chunk_size=64)
         forward = jax.jit(lambda q, k, v, g, cfg=cfg: recurrent_attention(q, k, v, None, None, g, cfg=cfg))
+        backward = jax.jit(jax.grad(lambda q, k, v, g, forward=forward: jnp.sum(
+            forward(q, k, v, g).astype(jnp.float32) * v.astype(jnp.float32)), argnums=(0, 1, 2, 3)))
 
-        def run():
+        def run(forward=forward, backward=backward):
             outputs[platform] = forward(q, k, v, g)
-            return dict(shape=str(shape), platform=platform, fwd_ms=round(time_ms(forward, q, k, v, g), 3))
+            return dict(shape=str(shape), platform=platform, fwd_ms=round(time_ms(forward, q, k, v, g), 3),
+                        fwd_bwd_ms=round(time_ms(backward, q, k, v, g, reps=2, rounds=3), 3))
 
         row = guarded(f"gla {shape} {platform}", run)
         if row:
@@ -357,7 +383,8 @@ def run_tests() -> None:
 
     log("tests/ops/kda/test_pallas_tpu*.py, compiled")
     code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/ops/kda/test_pallas_tpu.py",
-                        "tests/ops/kda/test_pallas_tpu_bwd.py", "tests/ops/kda/test_pallas_tpu_decode.py"])
+                        "tests/ops/kda/test_pallas_tpu_bwd.py", "tests/ops/kda/test_pallas_tpu_packed.py",
+                        "tests/ops/kda/test_pallas_tpu_gla.py", "tests/ops/kda/test_pallas_tpu_decode.py"])
     RESULTS["tests_exit_code"] = int(code)
     save()
 
@@ -398,12 +425,14 @@ def main() -> None:
         if "steep" in parts and index == 0:
             steep = make_inputs(1, *shape, steep=True)
             api(shape, steep, reference_fp32(steep, shape[3] ** -0.5), steep=True)
+    if "api" in parts:
+        packed(PACKED, packed_bounds(PACKED[1], PACKED_DOCUMENTS))
     if "decode" in parts:
         decode()
     tables = [
         ("sweep", ["shape", "variant", "fwd_ms", "err_o", "err_state", "first_call_s"]),
         ("ablate", ["shape", "stubbed", "fwd_ms"]),
-        ("gla", ["shape", "platform", "fwd_ms", "err_o_vs_xla"]),
+        ("gla", ["shape", "platform", "fwd_ms", "fwd_bwd_ms", "err_o_vs_xla"]),
         ("decode", ["op", "platform", "us_per_step", "gbps", "pct_of_elementwise", "err_pool_vs_xla"]),
         ("steep", ["shape", "platform", "chunk", "fwd_ms", "err_o", "err_state"]),
         ("bwd", ["shape", "variant", "bwd_ms", "err_grads", "first_call_s"]),

@@ -176,13 +176,13 @@ def test_auto_picks_it_on_a_tpu_and_nowhere_else():
     assert "pallas_tpu:chunked" not in [impl.name for impl in on_cpu]
 
 
-@pytest.mark.parametrize("kwargs, reason", [
-    ({"cu_seqlens": jnp.array([0, 3, 8], jnp.int32)}, "packed sequences"),
-    ({"use_chunked": False}, "recurrent scan"),
-])
-def test_declines_what_it_does_not_cover(kwargs, reason):
+def test_declines_the_recurrent_scan_and_packed_layouts_beyond_its_chunk_info():
     impl = registry.lookup("kernel_delta_attention", "pallas_tpu", "chunked")
-    assert reason in impl.supports(invocation(*small_args(), **kwargs))
+    assert "recurrent scan" in impl.supports(invocation(*small_args(), use_chunked=False))
+    assert impl.supports(invocation(*small_args(), cu_seqlens=jnp.array([0, 3, 8], jnp.int32))) is None
+    # 2^18 sequences (empty but for one) take a chunk each at least: more chunks than SMEM's chunk info holds.
+    many = jnp.zeros((2**18 + 1,), jnp.int32).at[-1].set(8)
+    assert "more than" in impl.supports(invocation(*small_args(), cu_seqlens=many))
 
 
 def test_declines_head_dims_above_128_and_chunks_above_128():
@@ -206,26 +206,3 @@ def test_lowers_to_mosaic(dtype, per_head, chunk, delta_rule):
     forward = jax.jit(lambda *x: kda_forward(*x, scale=0.1, chunk=chunk, delta_rule=delta_rule, interpret=False))
     text = forward.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert "kda_chunk_fwd_tpu" in text
-
-
-def test_gated_linear_attention_through_recurrent_attention():
-    """Without the delta rule (no solve): per-key and per-head gates, fewer key/value heads than query heads,
-    T = 70, an initial state, gradients (XLA chunked's, `gradient_of`); against XLA chunked."""
-    from hybrax.ops.recurrent.api import RecurrentAttentionConfig, recurrent_attention
-
-    q, k, v = normal(60, (1, 70, 2, 16)), normal(61, (1, 70, 1, 16)), normal(62, (1, 70, 1, 32))
-    gk = jax.nn.log_sigmoid(normal(63, (1, 70, 2, 16)) + 2.0)
-    g_gamma, h0 = -0.05 * jnp.ones((2,)), normal(64, (1, 2, 16, 32), scale=0.5)
-
-    def run(platform):
-        cfg = RecurrentAttentionConfig(platform, "chunked", chunk_size=64)
-
-        def loss(q, k, v, gk, h0):
-            out, final = recurrent_attention(q, k, v, None, g_gamma, gk, None, h0, return_state=True, cfg=cfg)
-            return jnp.sum(out * jnp.cos(out)) + jnp.sum(final**2), (out, final)
-
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(q, k, v, gk, h0)
-
-    (grads, outputs), (want_grads, want_outputs) = run("pallas_tpu"), run("xla")
-    assert_close(outputs, [to64(x) for x in want_outputs], TOLERANCE[jnp.float32], "outputs")
-    assert_close(grads, [to64(x) for x in want_grads], 1e-4, "gradients")

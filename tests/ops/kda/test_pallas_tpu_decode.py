@@ -20,7 +20,7 @@ from hybrax.ops.kda.pallas_tpu import pool_register, register  # noqa: F401  (re
 from hybrax.ops.kda.pallas_tpu.decode import fused_recurrent_decode
 from hybrax.serving import KdaDecodePool, kda_decode_pool
 from tests.helpers import TOLERANCE, assert_close, normal, to64
-from tests.serving.test_kda_pool import gate_kwargs, reference_run
+from tests.serving.test_kda_pool import reference_run
 
 SLOTS = 7
 

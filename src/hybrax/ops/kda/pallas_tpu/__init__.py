@@ -9,9 +9,12 @@
     chunk_intra_bwd the gradients through the pairwise decays of A_qk and A_kk
     chunk_bwd       the backward kernel (grid walked from the last chunk, blocks, layout) joining them
     dots            the MXU products' operand dtypes and passes
+    layout          the kernels' rows: dense, or packed sequences from chunk boundaries with each chunk's sequence
+                    scalar-prefetched; the vmap rule
     register        the "pallas_tpu:chunked" implementation of kernel_delta_attention (forward and backward)
     decode          the decode kernel on rows of a state pool, and "pallas_tpu:decode" (kernel_delta_attention, T = 1)
     pool_register   the "pallas_tpu:fused_recurrent" implementation of kda_decode_pool
 
-Gated linear attention runs the same forward kernel without the delta rule: `ops/recurrent/pallas_tpu_chunked.py`.
+Gated linear attention runs the same kernels, forward and backward, without the delta rule:
+`ops/recurrent/pallas_tpu_chunked.py`.
 """

@@ -29,23 +29,25 @@ from hybrax.ops.kda.pallas_tpu.dots import Dot
 
 
 def factored(
-    p: jax.Array, d: jax.Array, q: jax.Array, k: jax.Array, gates: ChunkGates, dot: Dot
+    p: jax.Array, d: jax.Array | None, q: jax.Array, k: jax.Array, gates: ChunkGates, dot: Dot
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(Y_q, Y_k, Z) [C, K] fp32 from P, D [C, C] (masked) and q, k [C, K] fp32 by sub-chunks (the module's
-    factored form; wrong in the diagonal blocks of a chunk steeper than STEEP)."""
+    """(Y_q, Y_k, Z) [C, K] fp32 from P, D [C, C] (masked; D None: zeros, gated linear attention) and q, k [C, K]
+    fp32 by sub-chunks (the module's factored form; wrong in the diagonal blocks of a chunk steeper than STEEP)."""
     down = jnp.exp(gates.prefix)  # exp(P) <= 1
     to_end, up = jnp.exp(gates.suffix), jnp.exp(jnp.minimum(-gates.prefix, STEEP))
+    parts = 1 if d is None else 2  # P's rows, then D's
     y_q, y_k, z = [], [], jnp.zeros_like(k)
     for a in range(gates.sub_chunks):
         rows = slice(a * SUB, (a + 1) * SUB)
         factor = _right_operand(a, gates, to_end, up)  # F_a [C, K]: zeros for later sub-chunks
-        pairs = jnp.concatenate([p[rows], d[rows]], axis=0)  # [2 SUB, C]
-        y = dot(pairs, k * factor) * jnp.concatenate([down[rows]] * 2, axis=0)
+        pairs = p[rows] if d is None else jnp.concatenate([p[rows], d[rows]], axis=0)  # [parts SUB, C]
+        y = dot(pairs, k * factor) * jnp.concatenate([down[rows]] * parts, axis=0)
         y_q.append(y[:SUB])
         y_k.append(y[SUB:])
-        left = jnp.concatenate([q[rows] * down[rows], k[rows] * down[rows]], axis=0)  # [2 SUB, K]
+        left = jnp.concatenate([q[rows] * down[rows], k[rows] * down[rows]][:parts], axis=0)  # [parts SUB, K]
         z = z + dot(pairs, left, "tn") * factor
-    return jnp.concatenate(y_q, axis=0), jnp.concatenate(y_k, axis=0), z
+    y_k = jnp.zeros_like(k) if d is None else jnp.concatenate(y_k, axis=0)
+    return jnp.concatenate(y_q, axis=0), y_k, z
 
 
 def _sub_chunk_sums(x: jax.Array) -> jax.Array:
@@ -58,10 +60,10 @@ def _sub_chunk_sums(x: jax.Array) -> jax.Array:
 
 
 def exact_diagonal(
-    p: jax.Array, d: jax.Array, q: jax.Array, k: jax.Array, g: jax.Array
+    p: jax.Array, d: jax.Array | None, q: jax.Array, k: jax.Array, g: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(Y_q, Y_k, Z) [C, K] of the diagonal [SUB, SUB] blocks of P and D alone, exactly: for column c of each
-    sub-chunk, the exponents Σ_{c < s <= i} g_s are prefix sums of the gates after c (`chunk_intra`'s
+    """(Y_q, Y_k, Z) [C, K] of the diagonal [SUB, SUB] blocks of P and D (None: zeros) alone, exactly: for column
+    c of each sub-chunk, the exponents Σ_{c < s <= i} g_s are prefix sums of the gates after c (`chunk_intra`'s
     `with_exact_diagonal` does the same for the scores); g [C, K] the per-token log decays."""
     chunk, width = q.shape
     local = row_in_segment((chunk, width), SUB)
@@ -72,8 +74,16 @@ def exact_diagonal(
         y_q, y_k, z = sums
         decay = jnp.exp(segment_prefix(jnp.where(local > c, g, 0.0), SUB))  # E_ij for j the block's column c
         target = cols == first_col + c
-        p_col, d_col = (jnp.sum(jnp.where(target, x, 0.0), axis=1, keepdims=True) for x in (p, d))  # [C, 1]
+
+        def picked(x):  # [C, 1]: column c of each diagonal block of x
+            return jnp.sum(jnp.where(target, x, 0.0), axis=1, keepdims=True)
+
         key = _sub_chunk_sums(jnp.where(local == c, k, 0.0)) * decay  # k_j E_ij
+        p_col = picked(p)
+        if d is None:
+            z_col = _sub_chunk_sums(p_col * q * decay)
+            return y_q + p_col * key, y_k, jnp.where(local == c, z_col, z)
+        d_col = picked(d)
         z_col = _sub_chunk_sums((p_col * q + d_col * k) * decay)
         return y_q + p_col * key, y_k + d_col * key, jnp.where(local == c, z_col, z)
 
@@ -82,16 +92,17 @@ def exact_diagonal(
 
 
 def intra_gradients(
-    p: jax.Array, d: jax.Array, q: jax.Array, k: jax.Array, g: jax.Array, gates: ChunkGates, steep: jax.Array,
-    dot: Dot,
+    p: jax.Array, d: jax.Array | None, q: jax.Array, k: jax.Array, g: jax.Array, gates: ChunkGates,
+    steep: jax.Array, dot: Dot,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(Y_q, Y_k, Z) [C, K] fp32 (see the module): factored, and in a steep chunk (`steep`, a scalar bool) the
-    diagonal blocks exactly."""
+    """(Y_q, Y_k, Z) [C, K] fp32 (see the module; D None: no A_kk, gated linear attention, Y_k = 0): factored,
+    and in a steep chunk (`steep`, a scalar bool) the diagonal blocks exactly."""
 
     def steep_chunk():
         rows, cols = index_grid(*p.shape)
         off = block_of(rows, SUB) != block_of(cols, SUB)
-        parts = factored(jnp.where(off, p, 0.0), jnp.where(off, d, 0.0), q, k, gates, dot)
+        off_diagonal = lambda x: None if x is None else jnp.where(off, x, 0.0)  # noqa: E731
+        parts = factored(off_diagonal(p), off_diagonal(d), q, k, gates, dot)
         return tuple(a + b for a, b in zip(parts, exact_diagonal(p, d, q, k, g)))
 
     return lax.cond(steep, steep_chunk, lambda: factored(p, d, q, k, gates, dot))

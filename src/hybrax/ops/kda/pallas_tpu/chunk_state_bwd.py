@@ -23,14 +23,17 @@ from hybrax.ops.kda.pallas_tpu.dots import Dot
 
 
 def state_step_bwd(
-    d_state: jax.Array, w: jax.Array, qg: jax.Array, aqk: jax.Array, kg: jax.Array, d_out: jax.Array,
+    d_state: jax.Array, w: jax.Array | None, qg: jax.Array, aqk: jax.Array, kg: jax.Array, d_out: jax.Array,
     decay: jax.Array, dot: Dot,
 ) -> tuple[jax.Array, jax.Array]:
     """(dv_new [C, V], dS [K, V]) fp32 from dS' [K, V] (the cotangent of the state leaving the chunk) and the
     chunk's terms: w, qg, kg [C, K], A_qk [C, C] (masked), dO
-    [C, V], decay [1, K] = exp(G_C). For bf16 inputs `dot` takes bf16 operands, as the forward's state step."""
+    [C, V], decay [1, K] = exp(G_C). w None: no delta rule (gated linear attention, v_new = v: no w^T dv_new
+    term). For bf16 inputs `dot` takes bf16 operands, as the forward's state step."""
     leaving = dot.operand(d_state)
     d_out = dot.operand(d_out)
     dv_new = dot(aqk, d_out, "tn") + dot(kg, leaving)
-    d_entering = row_to_column(decay) * d_state + dot(qg, d_out, "tn") - dot(w, dv_new, "tn")
+    d_entering = row_to_column(decay) * d_state + dot(qg, d_out, "tn")
+    if w is not None:
+        d_entering = d_entering - dot(w, dv_new, "tn")
     return dv_new, d_entering

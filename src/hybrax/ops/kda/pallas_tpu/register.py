@@ -4,9 +4,10 @@ backward (`chunk_bwd`), chosen by `auto` on a TPU, runnable anywhere in the TPU 
 
 The forward keeps, beside the output, the fp32 state entering each chunk; the backward kernel takes the problem
 and those states and recomputes everything else per chunk. The backward covers every call the forward takes
-(per-head and per-channel decay, GQA, any T, the L2 norm inside or not), so no XLA path runs in either direction.
-Declined (`auto` then takes XLA): packed sequences (cu_seqlens), K or V above 128, dtypes other than bf16 and
-fp32, chunks other than 16, 32, 64 and 128, use_chunked=False.
+(per-head and per-channel decay, GQA, any T, the L2 norm inside or not, packed sequences), so no XLA path runs in
+either direction. Packed sequences (cu_seqlens) run from chunk boundaries (`layout`), each chunk's sequence
+scalar-prefetched. Declined (`auto` then takes XLA): K or V above 128, dtypes other than bf16 and fp32, chunks
+other than 16, 32, 64 and 128, use_chunked=False, packed layouts of more than `layout.MAX_CHUNKS` chunks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hybrax.core import Invocation, cotangent, register
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_tpu.chunk_bwd import kda_backward
 from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, kda_forward
+from hybrax.ops.kda.pallas_tpu.layout import MAX_CHUNKS, packed_chunks
 
 PLATFORM = "pallas_tpu"
 
@@ -30,8 +32,12 @@ def _supports(inv: Invocation, cfg: KernelDeltaAttentionConfig | None = None) ->
         return f"needs chunk_size in {CHUNKS}, got {cfg.chunk_size}"
     if not inv.static["use_chunked"]:
         return "use_chunked=False asks for the recurrent scan"
-    if inv.arrays["cu_seqlens"] is not None:
-        return "packed sequences (cu_seqlens) are not covered yet"
+    cu_seqlens = inv.arrays["cu_seqlens"]
+    if cu_seqlens is not None:
+        length, sequences = inv.arrays["q"].shape[1], cu_seqlens.shape[0] - 1
+        chunks = packed_chunks(length, sequences, (cfg or _heuristic(inv)).chunk_size)
+        if chunks > MAX_CHUNKS:
+            return f"packs {sequences} sequences over {length} tokens in {chunks} chunks, more than {MAX_CHUNKS}"
     dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
     if max(dk, dv) > MAX_HEAD_DIM:
         return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
@@ -54,7 +60,8 @@ def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
 def _forward(problem: KdaProblem, cfg: KernelDeltaAttentionConfig, with_states: bool) -> tuple:
     return kda_forward(
         problem.q, problem.k, problem.v, problem.decay, problem.beta, problem.initial_state,
-        scale=problem.scale, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size, with_states=with_states,
+        scale=problem.scale, cu_seqlens=problem.cu_seqlens, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size,
+        with_states=with_states,
     )
 
 
@@ -69,7 +76,7 @@ def _backward(cfg: KernelDeltaAttentionConfig, residuals: tuple[KdaProblem, jax.
     d_out, d_final = ct
     dq, dk, dv, dg, dbeta, d_initial = kda_backward(
         problem.q, problem.k, problem.v, problem.decay, problem.beta, entering, d_out, d_final,
-        scale=problem.scale, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size,
+        scale=problem.scale, cu_seqlens=problem.cu_seqlens, l2_normalize=problem.use_qk_l2norm, chunk=cfg.chunk_size,
     )
     return cotangent(problem, q=dq, k=dk, v=dv, decay=dg, beta=dbeta, initial_state=d_initial)
 
