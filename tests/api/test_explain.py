@@ -59,8 +59,14 @@ def test_cpu_call_names_the_chosen_implementation_and_why_others_decline(executo
     assert candidates["xla:scan"].status == COULD_RUN
     text = str(report)
     assert "runs xla:chunked with KernelDeltaAttentionConfig(platform='xla', backend='chunked', chunk_size=64)" in text
-    # One line per implementation; the columns' widths follow the longest registered name.
-    assert "xla:single_step priority 30 declined: needs seq_len == 1" in " ".join(text.split())
+    # One line per implementation, the CPU's auto row first with each one's place in it, then the rest; the
+    # columns' widths follow the longest registered name.
+    assert "implementations in auto order for cpu:" in text
+    assert "1 xla:single_step declined: needs seq_len == 1" in " ".join(text.split())
+    assert [(c.implementation, c.auto_rank) for c in call.candidates[:3]] == [
+        ("xla:single_step", 1), ("xla:chunked", 2), ("xla:scan", 3)]
+    assert all(c.auto_rank is None and c.status == DECLINED for c in call.candidates[3:])
+    assert candidates["pallas_tpu:decode"].reason.startswith("opt-in: auto never chooses it, not yet run")
     # Nothing was written: neither the in-memory cache nor the disk.
     assert executor.memory_cache.puts == 0 and not any(tmp_path.iterdir())
 

@@ -19,7 +19,7 @@ def _inputs(n=8):
     return x, jnp.float32(1.5)
 
 
-def test_heuristic_picks_highest_priority_on_device():
+def test_heuristic_picks_the_first_in_auto_order_on_device():
     x, w = _inputs()
     ex = Executor()
     inv = Toy().invocation(Toy().prepare(x, w))

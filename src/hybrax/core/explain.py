@@ -3,8 +3,9 @@ why every other implementation would not.
 
 fn is traced abstractly (jax.eval_shape: shapes and dtypes only, nothing computed; arrays may be given as
 jax.ShapeDtypeStruct) with a recording executor standing in for the default one. For each op call it walks
-the registry in priority order and asks what `auto` asks (the platform wanted, the devices an implementation
-is chosen on, its `supports`), then resolves the config as the default executor does (an explicit cfg, the
+the op's auto table (`hybrax.core.registry.set_auto_order`): the device's row in order, then the implementations
+`auto` does not take here, and asks what `auto` asks (the platform wanted, whether the row holds the
+implementation, its `supports`), then resolves the config as the default executor does (an explicit cfg, the
 in-memory and persistent caches, the heuristic) without writing any cache or autotuning.
 
     print(hybrax.explain(hybrax.kernel_delta_attention, q, k, v, beta, decay))
@@ -34,11 +35,13 @@ _TRACES = itertools.count()
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One registered implementation of the op. status: 'chosen', 'could run' (supports the call, not chosen)
-    or 'declined', with `reason` saying why it was not chosen; `config` is the chosen one's."""
+    """One registered implementation of the op. auto_rank: its place in the auto table's row for the device (1:
+    tried first), None where `auto` does not take it on this device. status: 'chosen', 'could run' (supports
+    the call, not chosen) or 'declined', with `reason` saying why it was not chosen; `config` is the chosen
+    one's."""
 
     implementation: str
-    priority: int
+    auto_rank: int | None
     status: str
     reason: str | None
     config: KernelConfig | None
@@ -66,9 +69,9 @@ class OpExplanation:
         runs = (f"  runs {self.chosen} with {self.config} ({self.source})" if self.config is not None
                 else f"  runs nothing: {self.source}")
         width = max(len(c.implementation) for c in self.candidates)
-        rows = [f"    {c.implementation:<{width}}  priority {c.priority:>3}  {c.status}"
+        rows = [f"    {'-' if c.auto_rank is None else c.auto_rank:>2}  {c.implementation:<{width}}  {c.status}"
                 + (f": {c.reason}" if c.reason else "") for c in self.candidates]
-        return "\n".join([head, runs, "  implementations by priority:", *rows])
+        return "\n".join([head, runs, f"  implementations in auto order for {self.device}:", *rows])
 
 
 class Explanation(tuple):
@@ -99,6 +102,24 @@ def _describe_arrays(inv: Invocation) -> str:
     return ", ".join(arrays + static)
 
 
+def _not_in_row(impl: registry.Implementation) -> str:
+    """Why `auto` does not take impl on this device: the devices whose row holds it, or why it is opt-in."""
+    table = registry.auto_order(impl.op_id)
+    if impl.name in table.opt_in:
+        return f"opt-in: auto never chooses it, {table.opt_in[impl.name]} (ask for platform={impl.platform!r})"
+    devices = [device for device, row in table.rows.items() if impl.name in row]
+    return (f"auto chooses it only on {', '.join(devices)} (ask for platform={impl.platform!r} to run it here)"
+            if devices else f"in no row of the auto table (ask for platform={impl.platform!r})")
+
+
+def _in_auto_order(inv: Invocation) -> list[tuple[registry.Implementation, int | None]]:
+    """Every implementation of the op with its place in the device's auto row: the row's first, in order, then
+    the others in the table's order."""
+    row = registry.auto_candidates(inv.op_id, inv.device)
+    others = [impl for impl in registry.implementations(inv.op_id) if impl not in row]
+    return [(impl, rank) for rank, impl in enumerate(row, 1)] + [(impl, None) for impl in others]
+
+
 def _decline_reason(impl: registry.Implementation, inv: Invocation, cfg: KernelConfig | None) -> str | None:
     """Why `auto` (or the platform or cfg asked for) would not take impl for this call; None: it could run."""
     if inv.platform != "auto" and impl.platform != inv.platform:
@@ -106,10 +127,8 @@ def _decline_reason(impl: registry.Implementation, inv: Invocation, cfg: KernelC
     if cfg is not None and (cfg.platform not in ("auto", impl.platform) or cfg.backend not in ("auto", impl.backend)):
         return f"cfg names {cfg.platform}:{cfg.backend}"
     reasons = []
-    if inv.platform == "auto" and inv.device not in impl.devices:
-        reasons.append(f"auto chooses it only on {', '.join(sorted(impl.devices))} (ask for platform="
-                       f"{impl.platform!r} to run it here)" if impl.devices else
-                       f"opt-in: auto never chooses it (ask for platform={impl.platform!r})")
+    if inv.platform == "auto" and impl.name not in registry.auto_order(impl.op_id).row(inv.device):
+        reasons.append(_not_in_row(impl))
     supports = impl.supports(inv)
     if supports is not None:
         reasons.append(supports)
@@ -143,15 +162,14 @@ def _explain_call(executor: Executor, kernel: Kernel, inv: Invocation, cfg: Kern
                   chosen: KernelConfig | None, error: str | None) -> OpExplanation:
     chosen_name = None if chosen is None else f"{chosen.platform}:{chosen.backend}"
     candidates = []
-    for impl in registry.implementations(inv.op_id):
+    for impl, rank in _in_auto_order(inv):
         reason = _decline_reason(impl, inv, cfg)
         if impl.name == chosen_name:
-            candidates.append(Candidate(impl.name, impl.priority, CHOSEN, None, chosen))
+            candidates.append(Candidate(impl.name, rank, CHOSEN, None, chosen))
         elif reason is None:
-            candidates.append(Candidate(impl.name, impl.priority, COULD_RUN,
-                                        chosen_name and f"{chosen_name} was chosen", None))
+            candidates.append(Candidate(impl.name, rank, COULD_RUN, chosen_name and f"{chosen_name} was chosen", None))
         else:
-            candidates.append(Candidate(impl.name, impl.priority, DECLINED, reason, None))
+            candidates.append(Candidate(impl.name, rank, DECLINED, reason, None))
     source = error if chosen is None else _source(executor, kernel, inv, cfg, chosen)
     return OpExplanation(inv.op_id, inv.device, inv.device_kind, inv.platform, _describe_arrays(inv), chosen, source,
                          tuple(candidates))
@@ -191,9 +209,9 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Explanation:
         *args, **kwargs: its arguments; arrays may be jax.ShapeDtypeStruct.
 
     Returns:
-        An Explanation: a tuple of OpExplanation (op_id, device, config, source, candidates: each
-        implementation's name, priority, status 'chosen' / 'could run' / 'declined' and reason), one per op
-        call; print it for the report. Bad arguments raise the op's own error.
+        An Explanation: a tuple of OpExplanation (op_id, device, config, source, candidates in auto order for
+        the device: each implementation's name, auto_rank, status 'chosen' / 'could run' / 'declined' and
+        reason), one per op call; print it for the report. Bad arguments raise the op's own error.
     """
     leaves, tree = jax.tree.flatten((args, kwargs))
     arrays = [leaf for leaf in leaves if _is_array(leaf)]

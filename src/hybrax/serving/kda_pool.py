@@ -27,7 +27,9 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from hybrax.core import Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, register, static_field
+from hybrax.core import (
+    Invocation, Kernel, KernelConfig, default_executor, problem_dataclass, register, set_auto_order, static_field,
+)
 from hybrax.core.config import is_power_of_two
 from hybrax.core.validate import (
     check_at_least_one, check_dtype, check_floating, check_integer, check_number, check_positive_number, check_rank, check_rows,
@@ -222,7 +224,7 @@ def _xla_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple
     return o, scatter_rows(problem.pool, keep.reshape(-1), per_token, problem.state_v_first)
 
 
-register(OP_ID, "xla", "gather_scatter", priority=10, heuristic_cfg=lambda inv: KdaDecodePoolConfig())(
+register(OP_ID, "xla", "gather_scatter", heuristic_cfg=lambda inv: KdaDecodePoolConfig())(
     _xla_pool_decode
 )
 
@@ -244,7 +246,7 @@ def _pallas_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
     return [KdaDecodePoolConfig(block_v=bv, num_warps=w) for bv, w in pallas_decode.LAUNCH_CANDIDATES if bv <= dv]
 
 
-@register(OP_ID, "pallas", "fused_recurrent", priority=20, devices=("gpu",), supports=_pallas_supports,
+@register(OP_ID, "pallas", "fused_recurrent", supports=_pallas_supports,
           heuristic_cfg=_pallas_heuristic, candidate_cfgs=_pallas_candidates, gradient_of=_xla_pool_decode)
 def _pallas_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, jax.Array]:
     return pallas_decode.fused_recurrent_decode(
@@ -271,7 +273,7 @@ def _cuda_candidates(inv: Invocation) -> list[KdaDecodePoolConfig]:
     return [KdaDecodePoolConfig(block_v=bv, num_warps=w) for bv, w in cuda_decode.LAUNCHES if dv % bv == 0]
 
 
-@register(OP_ID, "cuda", "fused_recurrent", priority=30, devices=("gpu",), supports=_cuda_supports,
+@register(OP_ID, "cuda", "fused_recurrent", supports=_cuda_supports,
           heuristic_cfg=lambda inv: KdaDecodePoolConfig(**cuda_decode.launch_params(
               inv.arrays["v"].shape[0] * inv.arrays["v"].shape[2], inv.arrays["v"].shape[3])),
           candidate_cfgs=_cuda_candidates, gradient_of=_xla_pool_decode)
@@ -282,6 +284,20 @@ def _cuda_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tupl
         beta_is_logits=problem.beta_is_logits, use_qk_l2norm=problem.use_qk_l2norm, block_v=cfg.block_v,
         num_warps=cfg.num_warps,
     )
+
+
+# What `auto` tries, in order, per device platform; the first whose supports() accepts the call runs (a device
+# not named here reads the "cpu" row).
+AUTO = {
+    "gpu": ("cuda:fused_recurrent", "pallas:fused_recurrent", "xla:gather_scatter"),
+    "tpu": ("xla:gather_scatter",),
+    "cpu": ("xla:gather_scatter",),
+}
+# Run only when asked for by platform (registered in ops/kda/pallas_tpu/pool_register.py).
+OPT_IN = {
+    "pallas_tpu:fused_recurrent": "not yet timed on a TPU",
+}
+set_auto_order(OP_ID, AUTO, OPT_IN)
 
 
 def kda_decode_pool(

@@ -9,9 +9,19 @@ from typing import Any, Callable
 import jax
 from jaxtyping import Array, Float
 
-from hybrax.core import default_executor
+from hybrax.core import default_executor, set_auto_order
 from hybrax.ops.attention import cudnn, pallas_flash, xla, xla_blockwise  # noqa: F401  (they register)
 from hybrax.ops.attention.base import OP_ID, Attention, AttentionConfig, AttentionProblem, MaskInfo
+
+# What `auto` tries, in order, per device platform; the first whose supports() accepts the call runs (a device
+# not named here reads the "cpu" row). One exception: a long call moves xla:direct last (`Attention.implementations`:
+# its [B, H, Tq, Tk] scores would cost too much).
+AUTO = {
+    "gpu": ("cuda:cudnn", "pallas:flash", "xla:direct", "xla:blockwise"),
+    "tpu": ("xla:direct", "xla:blockwise"),
+    "cpu": ("xla:direct", "xla:blockwise"),
+}
+set_auto_order(OP_ID, AUTO)
 
 __all__ = ["OP_ID", "Attention", "AttentionConfig", "AttentionProblem", "MaskInfo", "attention"]
 

@@ -103,7 +103,7 @@ def jax_nn_attention(p: AttentionProblem, implementation: str = "cudnn") -> Floa
     return jnp.reshape(out[..., :v_dim], (batch, q_len, num_kv_heads, group, v_dim)).astype(p.dtype)
 
 
-@register(OP_ID, "cuda", "cudnn", priority=10, devices=("gpu",), supports=_supports,
+@register(OP_ID, "cuda", "cudnn", supports=_supports,
           heuristic_cfg=lambda inv: AttentionConfig())
 def cudnn(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G Dv"]:
     # Gradients: jax.nn's cuDNN path brings its own (the fused backward kernel).

@@ -210,7 +210,7 @@ def _bias_grad(p: AttentionProblem, d_bias: jax.Array, geometry: Geometry) -> ja
 
 # On a GPU `auto` takes it where cuDNN declines (sinks, segments, bias, masks, dropout, soft cap, fp32): checked
 # against float64 and timed on the H200 (H200 measurements). platform="pallas" runs it anywhere.
-@register(OP_ID, "pallas", "flash", priority=5, devices=("gpu",), supports=_supports, heuristic_cfg=_heuristic,
+@register(OP_ID, "pallas", "flash", supports=_supports, heuristic_cfg=_heuristic,
           candidate_cfgs=_candidates, fwd=_fwd, bwd=_bwd)
 def flash(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G Dv"]:
     return _forward(p, cfg)[0]

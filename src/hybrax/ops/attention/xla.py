@@ -40,7 +40,7 @@ def _heuristic(inv: Invocation) -> AttentionConfig:
     return AttentionConfig()
 
 
-@register(OP_ID, "xla", "direct", priority=2, heuristic_cfg=_heuristic)
+@register(OP_ID, "xla", "direct", heuristic_cfg=_heuristic)
 def direct(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G Dv"]:
     q_pos = jnp.arange(p.query.shape[1])
     k_pos = jnp.arange(p.key.shape[1])

@@ -262,7 +262,7 @@ def _fwd(p: AttentionProblem, cfg: AttentionConfig) -> tuple[jax.Array, tuple]:
     return out, (p, out, lse)
 
 
-@register(OP_ID, "xla", "blockwise", priority=1, heuristic_cfg=_heuristic, candidate_cfgs=_candidates,
+@register(OP_ID, "xla", "blockwise", heuristic_cfg=_heuristic, candidate_cfgs=_candidates,
           fwd=_fwd, bwd=_backward)
 def blockwise(p: AttentionProblem, cfg: AttentionConfig) -> Float[Array, "B Tq K G Dv"]:
     return _forward(p, cfg)[0]

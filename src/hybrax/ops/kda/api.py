@@ -9,7 +9,7 @@ from typing import Any
 
 from jaxtyping import Array, Float, Int
 
-from hybrax.core import default_executor
+from hybrax.core import default_executor, set_auto_order
 from hybrax.core.packing import segment_packing, unflatten_output
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttention, KernelDeltaAttentionConfig
 
@@ -18,6 +18,19 @@ from hybrax.ops.kda.decode import cuda as _decode_cuda, pallas_gpu as _decode_pa
 from hybrax.ops.kda.pallas_gpu import chunked as _pallas_gpu_chunked  # noqa: F401
 from hybrax.ops.kda.pallas_tpu import decode as _pallas_tpu_decode, register as _pallas_tpu_chunked  # noqa: F401
 from hybrax.ops.kda.xla import chunked as _xla_chunked, scan as _xla_scan  # noqa: F401
+
+# What `auto` tries, in order, per device platform; the first whose supports() accepts the call runs (a device
+# not named here reads the "cpu" row). The single-token kernels come first: they decline T > 1.
+AUTO = {
+    "gpu": ("cuda:decode", "pallas:decode", "xla:single_step", "pallas:chunked", "xla:chunked", "xla:scan"),
+    "tpu": ("xla:single_step", "pallas_tpu:chunked", "xla:chunked", "xla:scan"),
+    "cpu": ("xla:single_step", "xla:chunked", "xla:scan"),
+}
+# Run only when asked for by platform (there before the platform's other implementations).
+OPT_IN = {
+    "pallas_tpu:decode": "not yet run and timed on a TPU",
+}
+set_auto_order(OP_ID, AUTO, OPT_IN)
 
 __all__ = ["OP_ID", "KdaProblem", "KernelDeltaAttention", "KernelDeltaAttentionConfig", "kda_attention",
            "kernel_delta_attention"]

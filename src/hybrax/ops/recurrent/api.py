@@ -10,13 +10,26 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from hybrax.core import default_executor
+from hybrax.core import default_executor, set_auto_order
 from hybrax.core.packing import Packing, segment_packing, unflatten_output
 from hybrax.core.validate import check_rank
 from hybrax.ops.recurrent import pallas_chunked, pallas_tpu_chunked, xla_chunked, xla_scan  # noqa: F401  (they register)
 from hybrax.ops.recurrent.base import (
     OP_ID, RecurrentAttention, RecurrentAttentionConfig, RecurrentProblem, check_gates,
 )
+
+# What `auto` tries, in order, per device platform; the first whose supports() accepts the call runs (a device
+# not named here reads the "cpu" row).
+AUTO = {
+    "gpu": ("pallas:chunked", "xla:chunked", "xla:scan"),
+    "tpu": ("xla:chunked", "xla:scan"),
+    "cpu": ("xla:chunked", "xla:scan"),
+}
+# Run only when asked for by platform (there before the platform's other implementations).
+OPT_IN = {
+    "pallas_tpu:chunked": "not yet timed on a TPU",
+}
+set_auto_order(OP_ID, AUTO, OPT_IN)
 
 __all__ = [
     "OP_ID", "RecurrentAttention", "RecurrentAttentionConfig", "RecurrentProblem", "packed_rows", "recurrent_attention",

@@ -62,7 +62,7 @@ def _run(p: RecurrentProblem, cfg: RecurrentAttentionConfig) -> tuple[jax.Array,
 
 # On a GPU `auto` takes it over xla:chunked: checked and timed on the H200, 10x XLA's chunked forward on GLA's
 # per-key gate (H200 measurements). platform="pallas" runs it anywhere.
-@register(OP_ID, "pallas", "chunked", priority=3, devices=("gpu",), supports=_supports,
+@register(OP_ID, "pallas", "chunked", supports=_supports,
           heuristic_cfg=lambda inv: RecurrentAttentionConfig(chunk_size=64))
 def pallas_chunked(p: RecurrentProblem, cfg: RecurrentAttentionConfig) -> tuple[Float[Array, "B T H V"], jax.Array]:
     return _run(p, cfg)

@@ -89,7 +89,7 @@ def _backward(cfg: RecurrentAttentionConfig, residuals: tuple[RecurrentProblem, 
     return pullback((dq, dk, dv, dg, d_initial))[0]
 
 
-@register(OP_ID, "pallas_tpu", "chunked", priority=3, devices=(), supports=_supports,
+@register(OP_ID, "pallas_tpu", "chunked", supports=_supports,
           heuristic_cfg=_heuristic, fwd=_forward_with_residuals, bwd=_backward)
 def pallas_tpu_chunked(p: RecurrentProblem, cfg: RecurrentAttentionConfig) -> tuple[jax.Array, jax.Array]:
     return _forward(p, cfg, with_states=False)

@@ -251,7 +251,7 @@ def _heuristic(inv) -> RecurrentAttentionConfig:
 _fwd, vjp_backward = vjp_rules(chunked_recurrence)  # the backward also serves the Pallas forward
 
 
-@register(OP_ID, "xla", "chunked", priority=2, heuristic_cfg=_heuristic,
+@register(OP_ID, "xla", "chunked", heuristic_cfg=_heuristic,
           candidate_cfgs=lambda inv: [RecurrentAttentionConfig(chunk_size=c) for c in CHUNK_SIZES],
           fwd=_fwd, bwd=vjp_backward)
 def chunked(problem, cfg: RecurrentAttentionConfig):

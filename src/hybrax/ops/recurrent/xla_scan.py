@@ -56,7 +56,7 @@ def scan_recurrence(q, k, v, log_k, log_v, h0, cu_seqlens, cfg: RecurrentAttenti
 _fwd, _bwd = vjp_rules(scan_recurrence)
 
 
-@register(OP_ID, "xla", "scan", priority=1, heuristic_cfg=lambda inv: RecurrentAttentionConfig(),
+@register(OP_ID, "xla", "scan", heuristic_cfg=lambda inv: RecurrentAttentionConfig(),
           fwd=_fwd, bwd=_bwd)
 def scan(problem, cfg: RecurrentAttentionConfig):
     return forward(scan_recurrence, problem, cfg)

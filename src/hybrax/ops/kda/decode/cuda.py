@@ -148,6 +148,6 @@ def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple
 
 # kernel_delta_attention's T == 1 path: above pallas:decode (40) where the GPU has nvcc.
 register(
-    OP_ID, "cuda", "decode", priority=50, devices=("gpu",), supports=_supports_single_token,
+    OP_ID, "cuda", "decode", supports=_supports_single_token,
     heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), gradient_of=single_step,
 )(_single_token)

@@ -289,7 +289,7 @@ def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple
 
 # kernel_delta_attention's T == 1 path: above xla:single_step (30) on a GPU.
 register(
-    OP_ID, "pallas", "decode", priority=40, devices=("gpu",), supports=_supports_single_token,
+    OP_ID, "pallas", "decode", supports=_supports_single_token,
     heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
     gradient_of=single_step,  # decode needs no fast backward: training never lands here
 )(_single_token)

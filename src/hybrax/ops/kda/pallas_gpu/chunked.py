@@ -35,7 +35,7 @@ def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
 
 
 @register(
-    OP_ID, "pallas", "chunked", priority=25, devices=("gpu",), heuristic_cfg=_heuristic,
+    OP_ID, "pallas", "chunked", heuristic_cfg=_heuristic,
     candidate_cfgs=_candidates, supports=_supports,
 )
 def _pallas_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:

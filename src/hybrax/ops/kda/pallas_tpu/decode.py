@@ -196,9 +196,9 @@ def _xla_single_step(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tu
     return lookup(OP_ID, "xla", "single_step")(problem, cfg)
 
 
-# Opt-in (platform="pallas_tpu") until it has run and been timed on a TPU; then devices=("tpu",), above XLA's
-# single step (30).
-@register(OP_ID, "pallas_tpu", "decode", priority=31, devices=(), supports=_supports_step,
+# Opt-in (platform="pallas_tpu": `OPT_IN` in ops/kda/api.py) until it has run and been timed on a TPU; then into
+# the "tpu" row of `AUTO` there, before XLA's single step.
+@register(OP_ID, "pallas_tpu", "decode", supports=_supports_step,
           heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), gradient_of=_xla_single_step)
 def pallas_tpu_step(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     batch = problem.q.shape[0]

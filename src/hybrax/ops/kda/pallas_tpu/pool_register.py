@@ -32,7 +32,7 @@ def _xla_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple
     return lookup(OP_ID, "xla", "gather_scatter")(problem, cfg)
 
 
-@register(OP_ID, "pallas_tpu", "fused_recurrent", priority=25, devices=(), supports=_supports,
+@register(OP_ID, "pallas_tpu", "fused_recurrent", supports=_supports,
           heuristic_cfg=lambda inv: KdaDecodePoolConfig(), gradient_of=_xla_pool_decode)
 def pallas_tpu_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, jax.Array]:
     decay = problem.g

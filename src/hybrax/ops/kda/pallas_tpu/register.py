@@ -83,7 +83,7 @@ def _backward(cfg: KernelDeltaAttentionConfig, residuals: tuple[KdaProblem, jax.
 
 # Below XLA's single step (30), which serves T = 1 without padding a chunk; above XLA chunked (20).
 @register(
-    OP_ID, PLATFORM, "chunked", priority=27, devices=("tpu",), heuristic_cfg=_heuristic,
+    OP_ID, PLATFORM, "chunked", heuristic_cfg=_heuristic,
     candidate_cfgs=_candidates, supports=_supports, fwd=_forward_with_residuals, bwd=_backward,
 )
 def pallas_tpu_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:

@@ -316,7 +316,7 @@ def _supports(inv: Invocation) -> str | None:
     return None if inv.static["use_chunked"] else "use_chunked=False asks for the recurrent scan"
 
 
-@register(OP_ID, "xla", "chunked", priority=20, heuristic_cfg=_heuristic, candidate_cfgs=_candidates,
+@register(OP_ID, "xla", "chunked", heuristic_cfg=_heuristic, candidate_cfgs=_candidates,
           supports=_supports, fwd=chunked_forward_with_residuals, bwd=chunked_backward)
 def kda_chunked(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     return _forward(problem, cfg)[0]
