@@ -12,6 +12,7 @@ import pytest
 
 from hybrax import RecurrentAttention, RecurrentAttentionConfig, create_default_executor, recurrent_attention
 from hybrax.core import Autotuner, Executor
+from hybrax.ops.recurrent.base import CHUNKED_MIN_SEQ_LEN
 from hybrax.ops.recurrent.xla_chunked import CHUNK_SIZES
 from tests.helpers import TOLERANCE, assert_close
 from tests.ops.recurrent.inputs import ARG_NAMES, IMPLS, make_call, normal
@@ -121,6 +122,19 @@ def test_heuristic_picks_scan_on_cpu_and_off_it_for_short_sequences_else_chunked
     on_gpu = lambda inv: dataclasses.replace(inv, device="gpu")  # noqa: E731
     assert kernel.heuristic_cfg(on_gpu(short)).backend == "scan"
     assert kernel.heuristic_cfg(on_gpu(long)) == RecurrentAttentionConfig("xla", "chunked", chunk_size=64)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("seq_len", [8, 64])
+@pytest.mark.parametrize("platform", [None, "xla"])
+def test_the_default_config_and_an_all_auto_one_pick_the_same_implementation(device, seq_len, platform):
+    """cfg=None (the heuristic) and cfg=RecurrentAttentionConfig() (every knob auto) walk the same order."""
+    kernel, inv = _invocation(seq_len)
+    inv = dataclasses.replace(kernel.invocation(inv.problem, platform), device=device)
+    default, all_auto = kernel.heuristic_cfg(inv), kernel.resolve(inv, RecurrentAttentionConfig())
+    assert (default.platform, default.backend) == (all_auto.platform, all_auto.backend)
+    scan = device == "cpu" or seq_len < CHUNKED_MIN_SEQ_LEN
+    assert default.backend == ("scan" if scan else "chunked")
 
 
 def test_autotune_candidates_cover_both_backends_and_chunk_sizes():

@@ -53,16 +53,17 @@ def test_declines_with_the_reason(options, reason):
 
 
 @pytest.mark.parametrize(("options", "chosen"), [
-    (dict(gates=("gk",)), "pallas:chunked"), (dict(gates=("g",), cu_seqlens=[0, 0, 5, 40]), "pallas:chunked"),
+    (dict(gates=("gk",)), "pallas:chunked"), (dict(gates=("g",), cu_seqlens=[0, 0, 5, 64]), "pallas:chunked"),
     (dict(gates=("gk", "gv")), "xla:chunked"), (dict(gates=("gk",), reverse=True), "xla:chunked"),
 ])
 def test_auto_on_a_gpu(options, chosen):
-    """What `auto` takes on a GPU (the invocation as a GPU call would build it), and on the CPU."""
-    call = make_call(7, **options)
+    """What `auto` takes on a GPU for a call long enough for the chunked path (the invocation as a GPU call would
+    build it), and on the CPU (the scan, at every length)."""
+    call = make_call(7, seq_len=64, **options)
     kernel = RecurrentAttention()
     inv = kernel.invocation(kernel.prepare(*call.args(), reverse=call.reverse))
     assert kernel.implementations(on_h200(inv))[0].name == chosen
-    assert kernel.implementations(inv)[0].name == "xla:chunked"
+    assert kernel.implementations(inv)[0].name == "xla:scan"
 
 
 def test_softmax_scale():

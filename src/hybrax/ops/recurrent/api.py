@@ -19,11 +19,12 @@ from hybrax.ops.recurrent.base import (
 )
 
 # What `auto` tries, in order, per device platform; the first whose supports() accepts the call runs (a device
-# not named here reads the "cpu" row).
+# not named here reads the "cpu" row). A call shorter than CHUNKED_MIN_SEQ_LEN (64) tries the scan first
+# (`RecurrentAttention.implementations`); on the CPU the scan is first at every length.
 AUTO = {
     "gpu": ("pallas:chunked", "xla:chunked", "xla:scan"),
     "tpu": ("xla:chunked", "xla:scan"),
-    "cpu": ("xla:chunked", "xla:scan"),
+    "cpu": ("xla:scan", "xla:chunked"),
 }
 # Run only when asked for by platform (there before the platform's other implementations).
 OPT_IN = {

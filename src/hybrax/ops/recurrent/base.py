@@ -35,7 +35,8 @@ from hybrax.core.validate import (
 
 OP_ID = "recurrent_attention"
 # Off the CPU, below this length the per-step scan beats the chunked algorithm's setup (and decoding
-# is T=1). On the CPU the scan wins at every length measured (its state stays in cache).
+# is T=1). On the CPU the scan wins at every length measured (its state stays in cache): the CPU's auto row
+# takes it first.
 CHUNKED_MIN_SEQ_LEN = 64
 
 
@@ -208,13 +209,13 @@ class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
             reverse=reverse, return_state=return_state, platform=platform, cfg=cfg,
         )
 
-    def heuristic_cfg(self, inv: Invocation) -> RecurrentAttentionConfig:
-        long = inv.arrays["query"].shape[1] >= CHUNKED_MIN_SEQ_LEN
-        backend = "chunked" if long and inv.device != "cpu" else "scan"
-        for impl in self.implementations(inv):
-            if impl.backend == backend:
-                return impl.heuristic_cfg(inv)
-        return super().heuristic_cfg(inv)
+    def implementations(self, inv: Invocation) -> list:
+        """The auto table's order (ops/recurrent/api.py), except that a call shorter than CHUNKED_MIN_SEQ_LEN tries
+        the scan first. The default config and an all-auto one both take the first of these."""
+        impls = super().implementations(inv)
+        if inv.arrays["query"].shape[1] >= CHUNKED_MIN_SEQ_LEN:
+            return impls
+        return sorted(impls, key=lambda impl: impl.backend != "scan")
 
     def autotune_problem(self, inv: Invocation, rng: jax.Array) -> RecurrentProblem:
         """Random inputs with decaying gates (log-sigmoid) and equal-length packed sequences."""

@@ -146,7 +146,7 @@ def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple
     )
 
 
-# kernel_delta_attention's T == 1 path: above pallas:decode (40) where the GPU has nvcc.
+# kernel_delta_attention's T == 1 path: before pallas:decode in the "gpu" row (ops/kda/api.py), where the GPU has nvcc.
 register(
     OP_ID, "cuda", "decode", supports=_supports_single_token,
     heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(), gradient_of=single_step,

@@ -287,7 +287,7 @@ def _single_token(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple
     )
 
 
-# kernel_delta_attention's T == 1 path: above xla:single_step (30) on a GPU.
+# kernel_delta_attention's T == 1 path: before xla:single_step in the "gpu" row (ops/kda/api.py).
 register(
     OP_ID, "pallas", "decode", supports=_supports_single_token,
     heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),

@@ -22,12 +22,12 @@ def _supports(inv: Invocation, cfg: KernelDeltaAttentionConfig | None = None) ->
         return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
     if inv.arrays["q"].dtype not in (jnp.bfloat16, jnp.float32):
         return f"needs bf16 or fp32 inputs, got {inv.arrays['q'].dtype}"
-    return None if cfg is None else chunk_reason(cfg.chunk_size)
+    return chunk_reason((cfg or _heuristic(inv)).chunk_size)  # without a config, the call's chunk_size
 
 
 def _heuristic(inv: Invocation) -> KernelDeltaAttentionConfig:
-    # 64-token chunks (as fla): four 16-row sub-chunks per chunk, 64 serial steps per 4k tokens.
-    return KernelDeltaAttentionConfig(chunk_size=64)
+    # The call's chunk_size: 64 by default (as fla: four 16-row sub-chunks per chunk, 64 serial steps per 4k tokens).
+    return KernelDeltaAttentionConfig(chunk_size=inv.static["chunk_size"])
 
 
 def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:

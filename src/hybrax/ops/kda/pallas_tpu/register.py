@@ -28,14 +28,15 @@ CHUNKS = (16, 32, 64, 128)  # powers of two of whole sub-chunks, at most one MXU
 
 
 def _supports(inv: Invocation, cfg: KernelDeltaAttentionConfig | None = None) -> str | None:
-    if cfg is not None and cfg.chunk_size not in CHUNKS:
-        return f"needs chunk_size in {CHUNKS}, got {cfg.chunk_size}"
+    chunk = (cfg or _heuristic(inv)).chunk_size  # without a config, the call's chunk_size, which it honours
+    if chunk not in CHUNKS:
+        return f"needs chunk_size in {CHUNKS}, got {chunk}"
     if not inv.static["use_chunked"]:
         return "use_chunked=False asks for the recurrent scan"
     cu_seqlens = inv.arrays["cu_seqlens"]
     if cu_seqlens is not None:
         length, sequences = inv.arrays["q"].shape[1], cu_seqlens.shape[0] - 1
-        chunks = packed_chunks(length, sequences, (cfg or _heuristic(inv)).chunk_size)
+        chunks = packed_chunks(length, sequences, chunk)
         if chunks > MAX_CHUNKS:
             return f"packs {sequences} sequences over {length} tokens in {chunks} chunks, more than {MAX_CHUNKS}"
     dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
@@ -47,10 +48,11 @@ def _supports(inv: Invocation, cfg: KernelDeltaAttentionConfig | None = None) ->
 
 
 def _heuristic(inv: Invocation) -> KernelDeltaAttentionConfig:
-    # TPU v5e, (1, 8192, 16, 128) bf16, forward: chunk 128 4.31 ms, 64 5.04 (4 heads per step; benchmarks/results).
-    # The backward's per-token work grows with the chunk (the solve's and the pairwise terms' [C, C] tiles): 64
-    # until forward+backward is timed at both (benchmarks/kda_tpu.py, its api part).
-    return KernelDeltaAttentionConfig(chunk_size=64)
+    # The call's chunk_size, 64 by default. TPU v5e, (1, 8192, 16, 128) bf16, forward: chunk 128 4.31 ms, 64 5.04
+    # (4 heads per step; benchmarks/results). The backward's per-token work grows with the chunk (the solve's and
+    # the pairwise terms' [C, C] tiles): 64 until forward+backward is timed at both (benchmarks/kda_tpu.py, its api
+    # part).
+    return KernelDeltaAttentionConfig(chunk_size=inv.static["chunk_size"])
 
 
 def _candidates(inv: Invocation) -> list[KernelDeltaAttentionConfig]:
@@ -81,7 +83,8 @@ def _backward(cfg: KernelDeltaAttentionConfig, residuals: tuple[KdaProblem, jax.
     return cotangent(problem, q=dq, k=dk, v=dv, decay=dg, beta=dbeta, initial_state=d_initial)
 
 
-# Below XLA's single step (30), which serves T = 1 without padding a chunk; above XLA chunked (20).
+# In the "tpu" row (ops/kda/api.py) after XLA's single step, which serves T = 1 without padding a chunk, and
+# before XLA chunked.
 @register(
     OP_ID, PLATFORM, "chunked", heuristic_cfg=_heuristic,
     candidate_cfgs=_candidates, supports=_supports, fwd=_forward_with_residuals, bwd=_backward,
