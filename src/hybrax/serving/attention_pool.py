@@ -157,6 +157,9 @@ def _new_tokens(p: AttentionPoolProblem) -> tuple[jax.Array, jax.Array, jax.Arra
 
 
 class AttentionDecodePool(Kernel[AttentionDecodePoolConfig, Any]):
+    """The slot-pool attention decode step for an `Executor`: takes `attention_decode_pool`'s arguments and runs
+    the implementation the config names or `auto` picks (this module's AUTO table)."""
+
     op_id = OP_ID
     config_type = AttentionDecodePoolConfig
 

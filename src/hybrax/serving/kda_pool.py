@@ -125,6 +125,9 @@ def check_token_slots(token_slots: Any, slots: Any, num_slots: int) -> None:
 
 
 class KdaDecodePool(Kernel[KdaDecodePoolConfig, Any]):
+    """The slot-pool KDA decode step for an `Executor`: takes `kda_decode_pool`'s arguments and runs the
+    implementation the config names or `auto` picks (this module's AUTO table)."""
+
     op_id = OP_ID
     config_type = KdaDecodePoolConfig
 

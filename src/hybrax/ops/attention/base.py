@@ -206,6 +206,10 @@ def _dropout_seed(dropout_rng: Any) -> jax.Array:
 
 
 class Attention(Kernel[AttentionConfig, jax.Array]):
+    """The attention operation for an `Executor`: `executor(Attention(), q, k, v, ...)` takes `attention`'s
+    arguments (its `prepare` checks them once) and runs the implementation the config names or `auto` picks
+    (the AUTO table in `ops/attention/api.py`)."""
+
     op_id = OP_ID
     config_type = AttentionConfig
 

@@ -159,6 +159,10 @@ def _log_decay(decay: Any, a_log: Any, dt_bias: Any, lower_bound: Any, batch: in
 
 
 class KernelDeltaAttention(Kernel[KernelDeltaAttentionConfig, Any]):
+    """The KDA operation for an `Executor`: `executor(KernelDeltaAttention(), q, k, v, beta, decay, ...)` takes
+    `kernel_delta_attention`'s arguments (its `prepare` checks them once) and runs the implementation the config
+    names or `auto` picks (the AUTO table in `ops/kda/api.py`)."""
+
     op_id = OP_ID
     config_type = KernelDeltaAttentionConfig
 
