@@ -55,6 +55,15 @@ LANES = 128  # the TPU's vector width: K and V are padded to it
 MAX_HEAD_DIM = LANES
 
 
+def head_dims_reason(q_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> str | None:
+    """Why the TPU kernels cannot take heads of q [..., K] and v [..., V] (each padded to one vector width), or
+    None: what every TPU registration's supports() says of K and V."""
+    dk, dv = q_shape[-1], v_shape[-1]
+    if max(dk, dv) > MAX_HEAD_DIM:
+        return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
+    return None
+
+
 def interpret_mode():
     """Pallas runs compiled on a TPU and in the TPU interpret mode anywhere else (the CPU tests)."""
     return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()

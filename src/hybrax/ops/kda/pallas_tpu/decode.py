@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core import Invocation, lookup, register
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
-from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, interpret_mode
+from hybrax.ops.kda.pallas_tpu.chunk_fwd import head_dims_reason, interpret_mode
 from hybrax.ops.kda.common.delta import l2_normalize
 
 BUFFERS = 3  # in flight at a step: the next step's copy in, this step's block, the last step's copy out
@@ -185,10 +185,7 @@ def _supports_step(inv: Invocation) -> str | None:
         return "needs seq_len == 1 (a decode step)"
     if inv.arrays["cu_seqlens"] is not None:
         return "needs no cu_seqlens"
-    dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
-    if max(dk, dv) > MAX_HEAD_DIM:
-        return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
-    return None
+    return head_dims_reason(inv.arrays["q"].shape, inv.arrays["v"].shape)
 
 
 def _xla_single_step(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:

@@ -11,7 +11,7 @@ import jax
 
 from hybrax.core import Invocation, lookup, register
 from hybrax.ops.kda.gate import activate_beta, fused_gate
-from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM
+from hybrax.ops.kda.pallas_tpu.chunk_fwd import head_dims_reason
 from hybrax.ops.kda.pallas_tpu.decode import fused_recurrent_decode
 from hybrax.serving.kda_pool import OP_ID, KdaDecodePoolConfig, KdaPoolProblem
 
@@ -21,10 +21,7 @@ def _supports(inv: Invocation, cfg: KdaDecodePoolConfig | None = None) -> str | 
         return "token_slots (a state per token) are not covered yet"
     if inv.static["state_v_first"]:
         return "the V-first pool is not covered yet"
-    dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
-    if max(dk, dv) > MAX_HEAD_DIM:
-        return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
-    return None
+    return head_dims_reason(inv.arrays["q"].shape, inv.arrays["v"].shape)
 
 
 def _xla_pool_decode(problem: KdaPoolProblem, cfg: KdaDecodePoolConfig) -> tuple[jax.Array, jax.Array]:

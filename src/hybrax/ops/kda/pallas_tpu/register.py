@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from hybrax.core import Invocation, cotangent, register
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.pallas_tpu.chunk_bwd import kda_backward
-from hybrax.ops.kda.pallas_tpu.chunk_fwd import MAX_HEAD_DIM, kda_forward
+from hybrax.ops.kda.pallas_tpu.chunk_fwd import head_dims_reason, kda_forward
 from hybrax.ops.kda.pallas_tpu.layout import MAX_CHUNKS, packed_chunks
 
 PLATFORM = "pallas_tpu"
@@ -39,9 +39,9 @@ def _supports(inv: Invocation, cfg: KernelDeltaAttentionConfig | None = None) ->
         chunks = packed_chunks(length, sequences, chunk)
         if chunks > MAX_CHUNKS:
             return f"packs {sequences} sequences over {length} tokens in {chunks} chunks, more than {MAX_CHUNKS}"
-    dk, dv = inv.arrays["q"].shape[3], inv.arrays["v"].shape[3]
-    if max(dk, dv) > MAX_HEAD_DIM:
-        return f"needs K and V <= {MAX_HEAD_DIM}, got K={dk}, V={dv}"
+    reason = head_dims_reason(inv.arrays["q"].shape, inv.arrays["v"].shape)
+    if reason:
+        return reason
     if inv.arrays["q"].dtype not in (jnp.bfloat16, jnp.float32):
         return f"needs bf16 or fp32 inputs, got {inv.arrays['q'].dtype}"
     return None
