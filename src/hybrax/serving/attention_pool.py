@@ -76,21 +76,22 @@ class AttentionPoolProblem:
     logits_soft_cap: float | None = static_field()
 
 
-def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, cached_lengths: Any,
-           new_lengths: Any, sliding_window: Any) -> None:
-    check_rank("q", q, 4, "[batch, tokens, num_heads, head_dim]")
-    batch, tokens, heads, head_dim = jnp.shape(q)
-    check_rank("k", k, 4, "[batch, tokens, num_kv_heads, head_dim]")
-    kv_heads = jnp.shape(k)[2]
-    check_shape("k", k, (batch, tokens, kv_heads, head_dim), "[batch, tokens, num_kv_heads, head_dim] (q's)")
-    check_at_least_one("q", q, {2: "num_heads", 3: "head_dim"})
-    check_at_least_one("k", k, {2: "num_kv_heads"})
-    if heads % kv_heads:
-        raise ValueError(f"num_heads of q ({heads}) must be a multiple of num_kv_heads of k ({kv_heads})")
-    check_rank("v", v, 4, "[batch, tokens, num_kv_heads, v_head_dim]")
+def check_query_key(q: Any, k: Any, length: str = "tokens") -> None:
+    """q [B, T, H, D] and k [B, T, KV, D] agree (`length` names dim 1): the new tokens' queries and keys, as the
+    decode step and the prefill take them."""
+    check_rank("q", q, 4, f"[batch, {length}, num_heads, head_dim]")
+    batch, tokens, _, head_dim = jnp.shape(q)
+    check_rank("k", k, 4, f"[batch, {length}, num_kv_heads, head_dim]")
+    check_shape("k", k, (batch, tokens, jnp.shape(k)[2], head_dim), f"[batch, {length}, num_kv_heads, head_dim] (q's)")
+
+
+def check_values_and_pools(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, length: str = "tokens") -> None:
+    """v [B, T, KV, Dv] agrees with k (checked by `check_query_key`), the pools [S, L, KV, D | Dv] with both, and
+    all five arrays are floating."""
+    batch, tokens, kv_heads, head_dim = jnp.shape(k)
+    check_rank("v", v, 4, f"[batch, {length}, num_kv_heads, v_head_dim]")
     v_dim = jnp.shape(v)[3]
-    check_shape("v", v, (batch, tokens, kv_heads, v_dim), "[batch, tokens, num_kv_heads, v_head_dim] (k's)")
-    check_at_least_one("v", v, {3: "v_head_dim"})
+    check_shape("v", v, (batch, tokens, kv_heads, v_dim), f"[batch, {length}, num_kv_heads, v_head_dim] (k's)")
     check_rank("k_pool", k_pool, 4, "[num_slots, max_len, num_kv_heads, head_dim]")
     num_slots, max_len = jnp.shape(k_pool)[:2]
     check_shape("k_pool", k_pool, (num_slots, max_len, kv_heads, head_dim),
@@ -99,6 +100,27 @@ def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, cached_
                 "[num_slots, max_len, num_kv_heads, v_head_dim] (k_pool's slots and length, v's heads and dim)")
     for name, array in (("q", q), ("k", k), ("v", v), ("k_pool", k_pool), ("v_pool", v_pool)):
         check_floating(name, array)
+
+
+def check_sliding_window(sliding_window: Any) -> None:
+    """sliding_window: keys back from each token (an int >= 0), or None."""
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 0):
+        raise ValueError(f"sliding_window must be an int >= 0 (keys back from each token) or None, "
+                         f"got {sliding_window!r}")
+
+
+def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, cached_lengths: Any,
+           new_lengths: Any, sliding_window: Any) -> None:
+    check_query_key(q, k)
+    batch, tokens, heads = jnp.shape(q)[:3]
+    kv_heads = jnp.shape(k)[2]
+    check_at_least_one("q", q, {2: "num_heads", 3: "head_dim"})
+    check_at_least_one("k", k, {2: "num_kv_heads"})
+    if heads % kv_heads:
+        raise ValueError(f"num_heads of q ({heads}) must be a multiple of num_kv_heads of k ({kv_heads})")
+    check_values_and_pools(q, k, v, k_pool, v_pool)
+    check_at_least_one("v", v, {3: "v_head_dim"})
+    num_slots, max_len = jnp.shape(k_pool)[:2]
     check_slots(slots, None, batch, num_slots)
     if cached_lengths is None:
         raise ValueError("cached_lengths must be an integer array [batch] (the tokens already in each row), got None")
@@ -107,9 +129,7 @@ def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, cached_
             check_shape(name, lengths, (batch,), "[batch]")
             check_integer(name, lengths)
     _check_length_values(slots, cached_lengths, new_lengths, tokens, max_len)
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 0):
-        raise ValueError(f"sliding_window must be an int >= 0 (keys back from each token) or None, "
-                         f"got {sliding_window!r}")
+    check_sliding_window(sliding_window)
 
 
 def _check_length_values(slots: Any, cached_lengths: Any, new_lengths: Any, tokens: int, max_len: int) -> None:

@@ -23,29 +23,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from hybrax.core.packing import from_cu_seqlens
-from hybrax.core.validate import check_cu_seqlens, check_floating, check_rank, check_shape, is_concrete
+from hybrax.core.validate import check_cu_seqlens, is_concrete
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
+from hybrax.serving.attention_pool import check_query_key, check_sliding_window, check_values_and_pools
 from hybrax.serving.prefill import check_slots
-
-
-def _check(q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any) -> None:
-    check_rank("q", q, 4, "[batch, seq_len, num_heads, head_dim]")
-    batch, length, _, head_dim = jnp.shape(q)
-    check_rank("k", k, 4, "[batch, seq_len, num_kv_heads, head_dim]")
-    kv_heads = jnp.shape(k)[2]
-    check_shape("k", k, (batch, length, kv_heads, head_dim), "[batch, seq_len, num_kv_heads, head_dim] (q's)")
-    check_rank("v", v, 4, "[batch, seq_len, num_kv_heads, v_head_dim]")
-    v_dim = jnp.shape(v)[3]
-    check_shape("v", v, (batch, length, kv_heads, v_dim), "[batch, seq_len, num_kv_heads, v_head_dim] (k's)")
-    check_rank("k_pool", k_pool, 4, "[num_slots, max_len, num_kv_heads, head_dim]")
-    num_slots, max_len = jnp.shape(k_pool)[:2]
-    check_shape("k_pool", k_pool, (num_slots, max_len, kv_heads, head_dim),
-                "[num_slots, max_len, num_kv_heads, head_dim] (k's heads and dim)")
-    check_shape("v_pool", v_pool, (num_slots, max_len, kv_heads, v_dim),
-                "[num_slots, max_len, num_kv_heads, v_head_dim] (k_pool's slots and length, v's heads and dim)")
-    for name, array in (("q", q), ("k", k), ("v", v), ("k_pool", k_pool), ("v_pool", v_pool)):
-        check_floating(name, array)
 
 
 def _check_fit(slots: Any, cu_seqlens: Any, length: int, max_len: int) -> None:
@@ -96,16 +78,15 @@ def attention_prefill_pool(
     Returns:
         (output [B, T, H, Dv] in q's dtype, k_pool, v_pool with the prompts written).
     """
-    _check(q, k, v, k_pool, v_pool)
+    check_query_key(q, k, length="seq_len")
+    check_values_and_pools(q, k, v, k_pool, v_pool, length="seq_len")
     batch, length = jnp.shape(q)[:2]
     num_slots, max_len = jnp.shape(k_pool)[:2]
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, batch, length, "q")
     count = batch if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
     check_slots(slots, None, count, num_slots, packed=cu_seqlens is not None)
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 0):
-        raise ValueError(f"sliding_window must be an int >= 0 (keys back from each token) or None, "
-                         f"got {sliding_window!r}")
+    check_sliding_window(sliding_window)
     _check_fit(slots, cu_seqlens, length, max_len)
 
     slots = jnp.asarray(slots, jnp.int32)
