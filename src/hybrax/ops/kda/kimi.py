@@ -160,8 +160,8 @@ def kimi_delta_attention(
         segment_ids: [B, T] int, instead of cu_seqlens: each run of equal ids in a row is a sequence, ids < 0
             padding (zero output). The rows run as one packed row of B * T tokens, one sequence (and state) per run
             in row-major order, padding runs included: N runs, counted when the ids are concrete.
-        max_segments: N with segment_ids under jit (a static bound on the runs; states past them are empty
-            sequences').
+        max_segments: N with segment_ids under jit, a static bound on the runs; the states past the runs are
+            empty sequences' (final state = initial state).
         platform, cfg: which implementation and knobs (default: the executor's choice; see hybrax.explain).
 
     Returns:

@@ -2,21 +2,22 @@
 
 cu_seqlens [N + 1] packs N sequences in a batch of one. Sequence n, of L_n tokens, takes ceil(L_n / C) chunks of C
 rows from chunk c_n = sum_{m < n} ceil(L_m / C), so that every sequence starts on a chunk boundary and no chunk
-mixes two; the rows past its tokens are zeros, which leave the state untouched. sum_n ceil(L_n / C) <=
-(T + N (C - 1)) / C bounds the number of chunks statically. `Segments` says, per chunk, whose it is: the state
-pass restarts at a sequence's first chunk and stores its final state after its last.
+mixes two (`hybrax.core.packing.chunk_layout`); the rows past its tokens are zeros, which leave the state
+untouched. `Segments` says, per chunk, whose it is: the state pass restarts at a sequence's first chunk and stores
+its final state after its last.
 
 Both directions between the tokens and the padded rows are gathers (`take_rows`), and so are their gradients.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from hybrax.core.packing import chunk_layout
 
 
 class Segments(NamedTuple):
@@ -83,29 +84,8 @@ def dense_layout(length: int, chunk: int) -> Layout:
 
 
 def packed_layout(cu_seqlens: jax.Array, length: int, chunk: int) -> Layout:
-    """Each sequence starts on a chunk boundary; the padded length bounds T + N (C - 1)."""
-    sequences = cu_seqlens.shape[0] - 1
-    count = -(-(length + sequences * (chunk - 1)) // chunk)
-    chunks_of = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
-    chunk_end = jnp.cumsum(chunks_of)
-    chunk_begin = chunk_end - chunks_of
-    tokens = jnp.arange(length, dtype=jnp.int32)
-    # Unrolled binary search: the default's while loop costs a host round trip per step on the GPU.
-    search = functools.partial(jnp.searchsorted, side="right", method="scan_unrolled")
-    owner = search(cu_seqlens, tokens).astype(jnp.int32) - 1
-    inside = owner < sequences
-    owner = jnp.minimum(owner, sequences - 1)
-    destination = jnp.where(inside, chunk_begin[owner] * chunk + tokens - cu_seqlens[owner], count * chunk)
-    chunks = jnp.arange(count, dtype=jnp.int32)
-    sequence = search(chunk_end, chunks).astype(jnp.int32)
-    real = sequence < sequences
-    sequence = jnp.minimum(sequence, sequences - 1)
-    first = real & (chunks == chunk_begin[sequence])
-    last = real & (chunks == chunk_end[sequence] - 1)
-    rows = jnp.arange(count * chunk, dtype=jnp.int32)
-    row_sequence = sequence[rows // chunk]
-    offset = rows - chunk_begin[row_sequence] * chunk
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    holds_token = real[rows // chunk] & (offset < lengths[row_sequence])
-    source = jnp.where(holds_token, cu_seqlens[row_sequence] + offset, length)
-    return Layout(Segments(sequence, first, last), destination.astype(jnp.int32), source.astype(jnp.int32), count)
+    """Each sequence from a chunk boundary (`hybrax.core.packing.chunk_layout`), as the state pass and the gathers
+    take it."""
+    layout = chunk_layout(cu_seqlens, length, chunk)
+    return Layout(Segments(layout.chunk_sequence, layout.first, layout.last), layout.destination, layout.source,
+                  layout.num_chunks)

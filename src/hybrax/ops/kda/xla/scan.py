@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hybrax.core import Invocation, register
+from hybrax.core.packing import first_token_mask, last_token_mask, token_sequence
 from hybrax.ops.kda.base import OP_ID, KdaProblem, KernelDeltaAttentionConfig
 from hybrax.ops.kda.common.delta import delta_step, single_step, value_head_qk
 
@@ -39,12 +40,10 @@ def _packed_scan(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
     first token and is stored as its final state at its last; empty sequences keep their initial state."""
     length = problem.q.shape[1]
     cu = problem.cu_seqlens
-    positions = jnp.arange(length, dtype=jnp.int32)
-    sequence = jnp.searchsorted(cu, positions, side="right").astype(jnp.int32) - 1  # N past the end
+    sequence = token_sequence(cu, length)  # N past the end
     inside = sequence < problem.num_sequences
     sequence = jnp.minimum(sequence, problem.num_sequences - 1)
-    first = inside & (positions == cu[sequence])
-    last = inside & (positions == cu[sequence + 1] - 1)
+    first, last = first_token_mask(cu, length), last_token_mask(cu, length)
     q, k = value_head_qk(problem)
     tokens = tuple(x[0] for x in (q, k, problem.v.astype(jnp.float32), problem.beta, problem.decay))
     initial = problem.initial_states()
@@ -61,7 +60,7 @@ def _packed_scan(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
     return jnp.where(inside[:, None, None], o, 0.0)[None], finals
 
 
-@register(OP_ID, "xla", "scan", heuristic_cfg=lambda inv: KernelDeltaAttentionConfig())
+@register(OP_ID, "xla", "scan", priority=10, heuristic_cfg=lambda inv: KernelDeltaAttentionConfig())
 def kda_scan(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     o, final = _dense_scan(problem) if problem.cu_seqlens is None else _packed_scan(problem)
     return o.astype(problem.q.dtype), final
@@ -75,5 +74,5 @@ def _supports_single_step(inv: Invocation) -> str | None:
     return None
 
 
-register(OP_ID, "xla", "single_step", heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
+register(OP_ID, "xla", "single_step", priority=30, heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
          supports=_supports_single_step)(single_step)
