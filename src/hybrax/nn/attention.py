@@ -58,7 +58,55 @@ def rotary(x: Float[Array, "batch seq_len heads dim"], positions: Int[Array, "ba
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-class Attention(nnx.Module):
+class KvCacheServing:
+    """prefill and decode of an attention layer through its KV cache pools (`AttentionCache`), for a layer with
+    hidden_size, _qkv(x, positions) -> (q, k, v), _output(o) -> y and _pool_options() (the keywords its softmax
+    takes in `attention_prefill_pool` and `attention_decode_pool`)."""
+
+    @staticmethod
+    def _check_cache(cache: Any) -> None:
+        if not isinstance(cache, AttentionCache):
+            raise ValueError(f"cache must be this layer's AttentionCache (from empty_cache), "
+                             f"got {type(cache).__name__}")
+
+    def prefill(self, x: Float[Array, "batch seq_len hidden"], cache: AttentionCache,
+                slots: Int[Array, " num_sequences"], *, cu_seqlens: Int[Array, " n_plus_1"] | None = None
+                ) -> tuple[Float[Array, "batch seq_len hidden"], AttentionCache]:
+        """New prompts into their slots: the rows of x [B, T, hidden] (slots [B]) or N packed ones (B = 1,
+        cu_seqlens [N + 1], slots [N]); each starts its row from position 0, whatever it held. Slot -1: a padded
+        sequence (reads and writes nothing, outputs zeros).
+
+        Returns:
+            (y [B, T, hidden_size], the cache with each slot holding its prompt and its length).
+        """
+        check_hidden("x", x, self.hidden_size)
+        self._check_cache(cache)
+        batch, length = x.shape[:2]
+        positions = packing(x, cu_seqlens).token_positions(batch, length)
+        q, k, v = self._qkv(x, positions)
+        o, k_pool, v_pool = attention_prefill_pool(q, k, v, cache.k, cache.v, slots, cu_seqlens=cu_seqlens,
+                                                   **self._pool_options())
+        lengths = set_rows(cache.lengths, slots, sequence_lengths(batch, length, cu_seqlens))
+        return self._output(o), AttentionCache(k_pool, v_pool, lengths)
+
+    def decode(self, x: Float[Array, "batch 1 hidden"], cache: AttentionCache, slots: Int[Array, " batch"]
+               ) -> tuple[Float[Array, "batch 1 hidden"], AttentionCache]:
+        """One token for each of B requests, x [B, 1, hidden], at position = its slot's length (slot -1: a padded
+        row, outputs zeros).
+
+        Returns:
+            (y [B, 1, hidden_size], the cache with the tokens appended and the lengths advanced).
+        """
+        check_hidden("x", x, self.hidden_size, tokens=1)
+        self._check_cache(cache)
+        cached = read_rows(cache.lengths, slots)
+        q, k, v = self._qkv(x, cached[:, None])
+        o, k_pool, v_pool = attention_decode_pool(q, k, v, cache.k, cache.v, slots, cached, **self._pool_options())
+        lengths = set_rows(cache.lengths, slots, cached + 1)
+        return self._output(o), AttentionCache(k_pool, v_pool, lengths)
+
+
+class Attention(KvCacheServing, nnx.Module):
     """Causal GQA attention over x [B, T, hidden_size] (see the module doc). `rope_theta` None: no rotary
     embedding; `qkv_bias`: biases on the q, k, v projections; `dtype` the computation dtype (None: as flax, the
     promoted input and parameter dtype)."""
@@ -102,6 +150,9 @@ class Attention(nnx.Module):
     def _output(self, o: jax.Array) -> jax.Array:
         return self.o_proj(o.reshape(*o.shape[:2], self.num_heads * self.head_dim))
 
+    def _pool_options(self) -> dict[str, Any]:
+        return {"sliding_window": self.sliding_window, "softmax_aux": self._softmax_aux()}
+
     def __call__(self, x: Float[Array, "batch seq_len hidden"], *, cu_seqlens: Int[Array, " n_plus_1"] | None = None,
                  segment_ids: Int[Array, "batch seq_len"] | None = None, max_segments: int | None = None
                  ) -> Float[Array, "batch seq_len hidden"]:
@@ -131,51 +182,6 @@ class Attention(nnx.Module):
         dtype = dtype or self.dtype or jnp.float32
         shape = (num_slots, max_len, self.num_kv_heads, self.head_dim)
         return AttentionCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((num_slots,), jnp.int32))
-
-    @staticmethod
-    def _check_cache(cache: Any) -> None:
-        if not isinstance(cache, AttentionCache):
-            raise ValueError(f"cache must be this layer's AttentionCache (from empty_cache), "
-                             f"got {type(cache).__name__}")
-
-    def prefill(self, x: Float[Array, "batch seq_len hidden"], cache: AttentionCache,
-                slots: Int[Array, " num_sequences"], *, cu_seqlens: Int[Array, " n_plus_1"] | None = None
-                ) -> tuple[Float[Array, "batch seq_len hidden"], AttentionCache]:
-        """New prompts into their slots: the rows of x [B, T, hidden] (slots [B]) or N packed ones (B = 1,
-        cu_seqlens [N + 1], slots [N]); each starts its row from position 0, whatever it held. Slot -1: a padded
-        sequence (reads and writes nothing, outputs zeros).
-
-        Returns:
-            (y [B, T, hidden_size], the cache with each slot holding its prompt and its length).
-        """
-        check_hidden("x", x, self.hidden_size)
-        self._check_cache(cache)
-        batch, length = x.shape[:2]
-        positions = packing(x, cu_seqlens).token_positions(batch, length)
-        q, k, v = self._qkv(x, positions)
-        o, k_pool, v_pool = attention_prefill_pool(q, k, v, cache.k, cache.v, slots, cu_seqlens=cu_seqlens,
-                                                   sliding_window=self.sliding_window,
-                                                   softmax_aux=self._softmax_aux())
-        lengths = set_rows(cache.lengths, slots, sequence_lengths(batch, length, cu_seqlens))
-        return self._output(o), AttentionCache(k_pool, v_pool, lengths)
-
-    def decode(self, x: Float[Array, "batch 1 hidden"], cache: AttentionCache, slots: Int[Array, " batch"]
-               ) -> tuple[Float[Array, "batch 1 hidden"], AttentionCache]:
-        """One token for each of B requests, x [B, 1, hidden], at position = its slot's length (slot -1: a padded
-        row, outputs zeros).
-
-        Returns:
-            (y [B, 1, hidden_size], the cache with the tokens appended and the lengths advanced).
-        """
-        check_hidden("x", x, self.hidden_size, tokens=1)
-        self._check_cache(cache)
-        cached = read_rows(cache.lengths, slots)
-        q, k, v = self._qkv(x, cached[:, None])
-        o, k_pool, v_pool = attention_decode_pool(q, k, v, cache.k, cache.v, slots, cached,
-                                                  sliding_window=self.sliding_window,
-                                                  softmax_aux=self._softmax_aux())
-        lengths = set_rows(cache.lengths, slots, cached + 1)
-        return self._output(o), AttentionCache(k_pool, v_pool, lengths)
 
     # ------------------------------------------------------------------ weights
 

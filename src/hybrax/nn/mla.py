@@ -32,15 +32,13 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from hybrax.core.packing import check_hidden, packing, sequence_lengths
+from hybrax.core.packing import check_hidden, packing
 from hybrax.core.validate import check_positive_number
-from hybrax.nn.attention import AttentionCache, read_rows, rotary, set_rows
+from hybrax.nn.attention import AttentionCache, KvCacheServing, rotary
 from hybrax.nn.norm import RMSNorm
 from hybrax.nn.weights import linear_targets, load_parameters
 from hybrax.ops.attention.api import attention
 from hybrax.ops.attention.mask import MaskInfo
-from hybrax.serving.attention_pool import attention_decode_pool
-from hybrax.serving.attention_prefill import attention_prefill_pool
 
 
 def _check_dims(**dims: int | None) -> None:
@@ -49,7 +47,7 @@ def _check_dims(**dims: int | None) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-class MultiheadLatentAttention(nnx.Module):
+class MultiheadLatentAttention(KvCacheServing, nnx.Module):
     """Causal multi-head latent attention over x [B, T, hidden_size] (see the module doc). `q_lora_rank` None: a
     full-rank query projection; `rope_theta` None: no rotary embedding; `sliding_window` w keeps the w positions
     before each token and its own (fla's window_size is w + 1); `softmax_scale` None: 1 / sqrt(qk_nope_head_dim +
@@ -107,6 +105,9 @@ class MultiheadLatentAttention(nnx.Module):
     def _output(self, o: jax.Array) -> jax.Array:
         return self.o_proj(o.reshape(*o.shape[:2], self.num_heads * self.v_head_dim))
 
+    def _pool_options(self) -> dict[str, Any]:
+        return {"sliding_window": self.sliding_window, "softmax_scale": self.softmax_scale}
+
     def __call__(self, x: Float[Array, "batch seq_len hidden"], *, cu_seqlens: Int[Array, " n_plus_1"] | None = None,
                  segment_ids: Int[Array, "batch seq_len"] | None = None, max_segments: int | None = None
                  ) -> Float[Array, "batch seq_len hidden"]:
@@ -139,49 +140,6 @@ class MultiheadLatentAttention(nnx.Module):
         rows = (num_slots, max_len, self.num_heads)
         return AttentionCache(jnp.zeros((*rows, self.qk_head_dim), dtype), jnp.zeros((*rows, self.v_head_dim), dtype),
                               jnp.zeros((num_slots,), jnp.int32))
-
-    def _check_cache(self, cache: Any) -> None:
-        if not isinstance(cache, AttentionCache):
-            raise ValueError(f"cache must be this layer's AttentionCache (from empty_cache), "
-                             f"got {type(cache).__name__}")
-
-    def prefill(self, x: Float[Array, "batch seq_len hidden"], cache: AttentionCache,
-                slots: Int[Array, " num_sequences"], *, cu_seqlens: Int[Array, " n_plus_1"] | None = None
-                ) -> tuple[Float[Array, "batch seq_len hidden"], AttentionCache]:
-        """New prompts into their slots: the rows of x [B, T, hidden] (slots [B]) or N packed ones (B = 1,
-        cu_seqlens [N + 1], slots [N]); each starts its row from position 0, whatever it held. Slot -1: a padded
-        sequence (reads and writes nothing, outputs zeros).
-
-        Returns:
-            (y [B, T, hidden_size], the cache with each slot holding its prompt and its length).
-        """
-        check_hidden("x", x, self.hidden_size)
-        self._check_cache(cache)
-        batch, length = x.shape[:2]
-        q, k, v = self._qkv(x, packing(x, cu_seqlens).token_positions(batch, length))
-        o, k_pool, v_pool = attention_prefill_pool(q, k, v, cache.k, cache.v, slots, cu_seqlens=cu_seqlens,
-                                                   sliding_window=self.sliding_window,
-                                                   softmax_scale=self.softmax_scale)
-        lengths = set_rows(cache.lengths, slots, sequence_lengths(batch, length, cu_seqlens))
-        return self._output(o), AttentionCache(k_pool, v_pool, lengths)
-
-    def decode(self, x: Float[Array, "batch 1 hidden"], cache: AttentionCache, slots: Int[Array, " batch"]
-               ) -> tuple[Float[Array, "batch 1 hidden"], AttentionCache]:
-        """One token for each of B requests, x [B, 1, hidden], at position = its slot's length (slot -1: a padded
-        row, outputs zeros).
-
-        Returns:
-            (y [B, 1, hidden_size], the cache with the tokens appended and the lengths advanced).
-        """
-        check_hidden("x", x, self.hidden_size, tokens=1)
-        self._check_cache(cache)
-        cached = read_rows(cache.lengths, slots)
-        q, k, v = self._qkv(x, cached[:, None])
-        o, k_pool, v_pool = attention_decode_pool(q, k, v, cache.k, cache.v, slots, cached,
-                                                  sliding_window=self.sliding_window,
-                                                  softmax_scale=self.softmax_scale)
-        lengths = set_rows(cache.lengths, slots, cached + 1)
-        return self._output(o), AttentionCache(k_pool, v_pool, lengths)
 
     # ------------------------------------------------------------------ weights
 
