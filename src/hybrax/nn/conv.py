@@ -113,6 +113,23 @@ class ShortConvolution(nnx.Module):
         load_parameters(type(self).__name__, state_dict, conv_targets(self, ""))
 
 
+class QkvShortConvs:
+    """The q, k, v projections (q_proj, k_proj, v_proj) of a recurrent layer and their short convolutions
+    (q_conv1d, k_conv1d, v_conv1d, with use_short_conv), as the GLA and KDA layers both hold them."""
+
+    def _convs(self) -> tuple[ShortConvolution, ShortConvolution, ShortConvolution]:
+        return self.q_conv1d, self.k_conv1d, self.v_conv1d
+
+    def _projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def _conv_weights(self) -> tuple[jax.Array, jax.Array | None]:
+        """The three convolutions as one over the concatenated q, k, v channels: weight [D, W], bias [D] or None."""
+        weight = jnp.concatenate([conv.weight[...] for conv in self._convs()])
+        has_bias = self.q_conv1d.bias is not None
+        return weight, jnp.concatenate([conv.bias[...] for conv in self._convs()]) if has_bias else None
+
+
 def conv_targets(conv: ShortConvolution, prefix: str) -> dict:
     """The conv's parameters by fla name: (variable, PyTorch shape, to our layout)."""
     targets = {prefix + "weight": (conv.weight, (conv.hidden_size, 1, conv.kernel_size), lambda w: w[:, 0])}

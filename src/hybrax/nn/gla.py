@@ -35,7 +35,7 @@ from jaxtyping import Array, Float, Int
 
 from hybrax.core.packing import check_hidden, packing
 from hybrax.core.validate import check_number
-from hybrax.nn.conv import ShortConvolution, conv_targets
+from hybrax.nn.conv import QkvShortConvs, ShortConvolution, conv_targets
 from hybrax.nn.norm import GatedRMSNorm, RMSNorm
 from hybrax.nn.weights import linear_targets, load_parameters
 from hybrax.ops.recurrent.base import RecurrentAttentionConfig
@@ -72,7 +72,7 @@ def _head_dim(name: str, hidden_size: int, expand: float, num_heads: int) -> int
     return dim // num_heads
 
 
-class GatedLinearAttention(nnx.Module):
+class GatedLinearAttention(QkvShortConvs, nnx.Module):
     """Gated linear attention over x [B, T, hidden_size] (see the module doc), with fla's arguments: `num_kv_heads`
     (default num_heads) dividing num_heads; `feature_map` None or one of FEATURE_MAPS on q and k; `use_output_gate`
     with `gate_fn` ("swish", "silu" or "sigmoid"); `fuse_norm` only names the norm as fla does
@@ -128,12 +128,6 @@ class GatedLinearAttention(nnx.Module):
 
     # ------------------------------------------------------------------ pieces
 
-    def _convs(self) -> tuple[ShortConvolution, ShortConvolution, ShortConvolution]:
-        return self.q_conv1d, self.k_conv1d, self.v_conv1d
-
-    def _projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
     def _heads(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B, T, H, K], k [B, T, KV, K], v [B, T, KV, V], with the feature map on q and k."""
         batch, length = q.shape[:2]
@@ -167,12 +161,6 @@ class GatedLinearAttention(nnx.Module):
         else:
             o = self.o_norm(o)
         return self.o_proj(o.reshape(batch, length, self.value_dim))
-
-    def _conv_weights(self) -> tuple[jax.Array, jax.Array | None]:
-        """The three convolutions as one over the concatenated q, k, v channels: weight [D, W], bias [D] or None."""
-        weight = jnp.concatenate([conv.weight[...] for conv in self._convs()])
-        has_bias = self.q_conv1d.bias is not None
-        return weight, jnp.concatenate([conv.bias[...] for conv in self._convs()]) if has_bias else None
 
     # ------------------------------------------------------------------ training
 

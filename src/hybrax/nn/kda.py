@@ -33,7 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hybrax.core.validate import check_number
-from hybrax.nn.conv import ShortConvolution, conv_targets
+from hybrax.nn.conv import QkvShortConvs, ShortConvolution, conv_targets
 from hybrax.nn.norm import GatedRMSNorm
 from hybrax.core.packing import check_hidden, packing
 from hybrax.nn.weights import linear_targets, load_parameters
@@ -69,7 +69,7 @@ def fla_dt_bias(key: jax.Array, size: int) -> jax.Array:
     return dt + jnp.log(-jnp.expm1(-dt))
 
 
-class KimiDeltaAttention(nnx.Module):
+class KimiDeltaAttention(QkvShortConvs, nnx.Module):
     """Kimi Delta Attention over x [B, T, hidden_size] (see the module doc). `num_v_heads` (default num_heads) a
     multiple of num_heads; value heads of head_dim * expand_v; `lower_bound` (a number <= 0) selects the bounded
     gate; `mode` the training path's algorithm, as fla's: "chunk" (chunked KDA) or "fused_recurrent" (the
@@ -117,12 +117,6 @@ class KimiDeltaAttention(nnx.Module):
 
     # ------------------------------------------------------------------ pieces
 
-    def _convs(self) -> tuple[ShortConvolution, ShortConvolution, ShortConvolution]:
-        return self.q_conv1d, self.k_conv1d, self.v_conv1d
-
-    def _projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
     def _heads(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         batch, length = q.shape[:2]
         return (q.reshape(batch, length, self.num_heads, self.head_dim),
@@ -145,12 +139,6 @@ class KimiDeltaAttention(nnx.Module):
         batch, length = x.shape[:2]
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(batch, length, self.num_v_heads, self.head_v_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(batch, length, self.value_dim))
-
-    def _conv_weights(self) -> tuple[jax.Array, jax.Array | None]:
-        """The three convolutions as one over the concatenated q, k, v channels: weight [D, W], bias [D] or None."""
-        weight = jnp.concatenate([conv.weight[...] for conv in self._convs()])
-        has_bias = self.q_conv1d.bias is not None
-        return weight, jnp.concatenate([conv.bias[...] for conv in self._convs()]) if has_bias else None
 
     def _split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self._heads(*jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1))
