@@ -115,7 +115,18 @@ class ShortConvolution(nnx.Module):
 
 class QkvShortConvs:
     """The q, k, v projections (q_proj, k_proj, v_proj) of a recurrent layer and their short convolutions
-    (q_conv1d, k_conv1d, v_conv1d, with use_short_conv), as the GLA and KDA layers both hold them."""
+    (q_conv1d, k_conv1d, v_conv1d, with use_short_conv), as the GLA and KDA layers both hold them, and the check
+    of their serving cache (the layer's `cache_type`, holding the conv pool as `conv` with use_short_conv)."""
+
+    cache_type: type
+
+    def _check_cache(self, cache: Any) -> None:
+        if not isinstance(cache, self.cache_type):
+            raise ValueError(f"cache must be this layer's {self.cache_type.__name__} (from empty_cache), "
+                             f"got {type(cache).__name__}")
+        if (cache.conv is None) == self.use_short_conv:
+            raise ValueError(f"cache.conv must be {'an array' if self.use_short_conv else 'None'} for a layer with "
+                             f"use_short_conv={self.use_short_conv}")
 
     def _convs(self) -> tuple[ShortConvolution, ShortConvolution, ShortConvolution]:
         return self.q_conv1d, self.k_conv1d, self.v_conv1d

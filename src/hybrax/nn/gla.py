@@ -81,6 +81,8 @@ class GatedLinearAttention(QkvShortConvs, nnx.Module):
     token-by-token scan). `dtype` the computation dtype (None: as flax, the promoted input and parameter dtype),
     `param_dtype` the parameters'."""
 
+    cache_type = GlaCache
+
     def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None, expand_k: float = 0.5,
                  expand_v: float = 1.0, mode: str = "chunk", feature_map: str | None = None,
                  use_short_conv: bool = False, conv_size: int = 4, conv_bias: bool = False,
@@ -198,13 +200,6 @@ class GatedLinearAttention(QkvShortConvs, nnx.Module):
             conv = jnp.zeros((num_slots, self.key_dim + self.kv_key_dim + self.kv_value_dim, width - 1), jnp.float32)
         row = (self.head_v_dim, self.head_k_dim) if state_v_first else (self.head_k_dim, self.head_v_dim)
         return GlaCache(conv, jnp.zeros((num_slots, self.num_heads, *row), jnp.float32), state_v_first)
-
-    def _check_cache(self, cache: Any) -> None:
-        if not isinstance(cache, GlaCache):
-            raise ValueError(f"cache must be this layer's GlaCache (from empty_cache), got {type(cache).__name__}")
-        if (cache.conv is None) == self.use_short_conv:
-            raise ValueError(f"cache.conv must be {'an array' if self.use_short_conv else 'None'} for a layer with "
-                             f"use_short_conv={self.use_short_conv}")
 
     def _serving_qkv(self, x: jax.Array, conv: jax.Array | None, slots: jax.Array, cu_seqlens: Any, decode: bool
                      ) -> tuple[jax.Array, jax.Array | None]:

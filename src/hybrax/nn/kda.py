@@ -76,6 +76,8 @@ class KimiDeltaAttention(QkvShortConvs, nnx.Module):
     token-by-token scan: cheaper to compile, for short sequences); `dtype` the computation dtype (None: as flax, the
     promoted input and parameter dtype), `param_dtype` the parameters' (A_log and dt_bias stay fp32)."""
 
+    cache_type = KdaCache
+
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, num_v_heads: int | None = None,
                  expand_v: float = 1.0, mode: str = "chunk", use_short_conv: bool = True, conv_size: int = 4,
                  conv_bias: bool = False, allow_neg_eigval: bool = False, lower_bound: float | None = None,
@@ -182,13 +184,6 @@ class KimiDeltaAttention(QkvShortConvs, nnx.Module):
             conv = jnp.zeros((num_slots, 2 * self.key_dim + self.value_dim, width - 1), jnp.float32)
         row = (self.head_v_dim, self.head_dim) if state_v_first else (self.head_dim, self.head_v_dim)
         return KdaCache(conv, jnp.zeros((num_slots, self.num_v_heads, *row), jnp.float32), state_v_first)
-
-    def _check_cache(self, cache: Any) -> None:
-        if not isinstance(cache, KdaCache):
-            raise ValueError(f"cache must be this layer's KdaCache (from empty_cache), got {type(cache).__name__}")
-        if (cache.conv is None) == self.use_short_conv:
-            raise ValueError(f"cache.conv must be {'an array' if self.use_short_conv else 'None'} for a layer with "
-                             f"use_short_conv={self.use_short_conv}")
 
     def prefill(self, x: Float[Array, "batch seq_len hidden"], cache: KdaCache, slots: Int[Array, " num_sequences"],
                 *, cu_seqlens: Int[Array, " n_plus_1"] | None = None) -> tuple[Float[Array, "batch seq_len hidden"],
