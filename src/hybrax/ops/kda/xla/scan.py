@@ -60,7 +60,7 @@ def _packed_scan(problem: KdaProblem) -> tuple[jax.Array, jax.Array]:
     return jnp.where(inside[:, None, None], o, 0.0)[None], finals
 
 
-@register(OP_ID, "xla", "scan", priority=10, heuristic_cfg=lambda inv: KernelDeltaAttentionConfig())
+@register(OP_ID, "xla", "scan", heuristic_cfg=lambda inv: KernelDeltaAttentionConfig())
 def kda_scan(problem: KdaProblem, cfg: KernelDeltaAttentionConfig) -> tuple[jax.Array, jax.Array]:
     o, final = _dense_scan(problem) if problem.cu_seqlens is None else _packed_scan(problem)
     return o.astype(problem.q.dtype), final
@@ -74,5 +74,5 @@ def _supports_single_step(inv: Invocation) -> str | None:
     return None
 
 
-register(OP_ID, "xla", "single_step", priority=30, heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
+register(OP_ID, "xla", "single_step", heuristic_cfg=lambda inv: KernelDeltaAttentionConfig(),
          supports=_supports_single_step)(single_step)
