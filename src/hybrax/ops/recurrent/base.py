@@ -139,6 +139,10 @@ def _reverse_time(problem: RecurrentProblem) -> RecurrentProblem:
 
 
 class RecurrentAttention(Kernel[RecurrentAttentionConfig, Any]):
+    """The gated linear recurrent attention operation for an `Executor`: `executor(RecurrentAttention(), q, k, v,
+    ...)` takes `recurrent_attention`'s arguments (its `prepare` checks them once) and runs the implementation the
+    config names or `auto` picks (the AUTO table in `ops/recurrent/api.py`)."""
+
     op_id = OP_ID
     config_type = RecurrentAttentionConfig
 
