@@ -204,7 +204,7 @@ def test_attention_decode_pool(backend):
     check_sharded(step, (q, k, v, k_pool, v_pool, slots, lengths), specs, BATCH_HEADS, platform)
 
 
-PALLAS_MODULES = ["hybrax.ops.attention.pallas_flash", "hybrax.ops.kda.pallas_gpu.chunked",
+PALLAS_MODULES = ["hybrax.ops.attention.pallas_flash", "hybrax.ops.kda.pallas_gpu.chunk",
                   "hybrax.ops.kda.decode.pallas_gpu", "hybrax.serving.attention_pool", "hybrax.serving.kda_pool"]
 
 
